@@ -224,7 +224,8 @@ class BlockPool:
         free = set(self._free)
         cached = set(self._cached_free)
         if len(free) != len(self._free):
-            raise AssertionError(f"free list holds duplicates: {len(self._free)} entries, {len(free)} distinct")
+            raise AssertionError(
+                f"free list holds duplicates: {len(self._free)} entries, {len(free)} distinct")
         if free & cached:
             raise AssertionError(f"blocks both plain free and cached free: {sorted(free & cached)}")
         used = {b for b in range(self.num_blocks) if self._refcount[b] > 0}
@@ -239,10 +240,12 @@ class BlockPool:
             raise AssertionError(f"negative refcounts on blocks {negative}")
         for h, b in self._hash_to_block.items():
             if self._block_to_hash.get(b) != h:
-                raise AssertionError(f"hash {h:016x} -> block {b}, but block {b} -> {self._block_to_hash.get(b)}")
+                raise AssertionError(
+                    f"hash {h:016x} -> block {b}, but block {b} -> {self._block_to_hash.get(b)}")
         if len(self._hash_to_block) != len(self._block_to_hash):
             raise AssertionError(
-                f"hash map sizes differ: {len(self._hash_to_block)} hashes, {len(self._block_to_hash)} blocks")
+                f"hash map sizes differ: {len(self._hash_to_block)} hashes, "
+                f"{len(self._block_to_hash)} blocks")
         for b in cached:
             if b not in self._block_to_hash:
                 raise AssertionError(f"cached free block {b} has no hash")

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible FastAPI app: ``build_app(async_engine, served_model_name)``.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE or
+not), ``GET /health``, ``GET /metrics`` (Prometheus text format, own registry per app).  Errors are
+OpenAI error bodies (see :mod:`vmkv.server.errors`); a client that disconnects, streamed or not, aborts
+its engine request so its KV is freed at once.
+
+The app's lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vmkv.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
+from vmkv.server.errors import OpenAIError, error_response, install_error_handlers
+from vmkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from vmkv.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    random_id,
+)
+from vmkv.server.serving import OpenAIServing, collect, now
+
+__all__ = ["build_app", "SSEResponse"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response that stops (and closes its iterator, which aborts the engine
+    request) as soon as the client disconnects, even while no token is being sent."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], **kwargs: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, headers=headers, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def _stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-send
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                async def _watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(_stream)
+                tg.start_soon(_watch)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it (which aborts its engine requests) and
+    return None."""
+    task = asyncio.ensure_future(work)
+
+    async def _watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(_watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            logger.info("client disconnected from %s; request aborted", request.url.path)
+            return None
+    return task.result()
+
+
+class _StatusCounter:
+    """Pure ASGI middleware counting HTTP replies by route and status (keeps streaming intact)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def _send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.http_requests.labels(endpoint=path if path in self.routes else "other",
+                                              status=str(status[0])).inc()
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *,
+              backend: str | None = None) -> FastAPI:
+    """Build the app around ``async_engine`` (started by the app's lifespan if not yet running).
+
+    Args:
+        async_engine: the engine front; the app sets its ``on_finished`` to record request metrics.
+        served_model_name: the ``model`` name clients send; default ``async_engine.model_name``.
+        backend: KV backend name for ``vmkv_server_info``; default read from the engine's KV cache.
+    """
+    served = served_model_name or async_engine.model_name
+    backend = backend or str(getattr(getattr(async_engine.engine, "kv_cache", None), "backend", "")) or "unknown"
+    metrics = ServerMetrics(backend=backend, model=served)
+    async_engine.on_finished = metrics.observe_finished
+    serving = OpenAIServing(async_engine, served)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        logger.info("serving %s (%s backend, max_model_len %d)", served, backend, async_engine.max_model_len)
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="vmkv OpenAI-compatible server", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.serving = serving
+    install_error_handlers(app)
+
+    def _engine_error(exc: Exception) -> OpenAIError:
+        return OpenAIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not async_engine.is_running:
+            err = async_engine.error
+            return error_response(OpenAIError(503, f"engine not running{f': {err!r}' if err else ''}",
+                                              code="engine_unavailable"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served, root=async_engine.model_name,
+                                         max_model_len=async_engine.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            metrics.set_engine_stats(await async_engine.get_stats())
+        except (EngineDeadError, EngineShutdownError):
+            metrics.set_engine_stats(None)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        serving.check_model(req.model)
+        request_id = random_id("cmpl")
+        arrival, created = now()
+        streams, infos = await serving.completion_streams(req, request_id, arrival)
+        if req.stream:
+            return SSEResponse(serving.completion_sse(req, request_id, created, streams, infos))
+        try:
+            finals = await _until_disconnect(request, collect(streams))
+        except (EngineDeadError, EngineShutdownError) as exc:
+            raise _engine_error(exc) from exc
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(serving.completion_response(req, request_id, created, finals, infos).model_dump())
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        serving.check_model(req.model)
+        request_id = random_id("chatcmpl")
+        arrival, created = now()
+        stream, _info = await serving.chat_stream(req, request_id, arrival)
+        if req.stream:
+            return SSEResponse(serving.chat_sse(req, request_id, created, stream))
+        try:
+            finals = await _until_disconnect(request, collect([stream]))
+        except (EngineDeadError, EngineShutdownError) as exc:
+            raise _engine_error(exc) from exc
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(serving.chat_response(request_id, created, finals[0]).model_dump())
+
+    routes = {"/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions"}
+    app.add_middleware(_StatusCounter, metrics=metrics, routes=routes)
+    return app

@@ -1,0 +1,379 @@
+"""Request handling of ``/v1/completions`` and ``/v1/chat/completions`` on top of :class:`AsyncEngine`.
+
+A request becomes one engine request per prompt (``n`` completions each, forked by the engine).
+Tokenization, the chat template and the context-length check run on the engine thread inside the
+``prepare`` callable of :meth:`AsyncEngine.add_request`, so a bad request is rejected (HTTP 400) before
+anything is streamed, and the tokenizer is only ever used by one thread.
+
+Streaming replies are Server-Sent Events: ``data: <chunk JSON>\\n\\n`` per chunk, a final usage chunk
+with empty ``choices`` when ``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from vmkv.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
+from vmkv.server.errors import OpenAIError, error_body
+from vmkv.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    SamplingRequestFields,
+    UsageInfo,
+    random_id,
+)
+
+if TYPE_CHECKING:
+    from vmkv.engine.outputs import RequestOutput
+
+__all__ = ["OpenAIServing", "sse", "SSE_DONE"]
+
+logger = logging.getLogger(__name__)
+
+#: the last event of every stream
+SSE_DONE = "data: [DONE]\n\n"
+
+#: default ``max_tokens`` of /v1/completions (OpenAI's documented default)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def sse(payload: Any) -> str:
+    """One Server-Sent Event carrying a pydantic model or a dict as JSON."""
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    import json
+
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return reason if reason in (None, "stop", "length", "abort") else "stop"
+
+
+@dataclass
+class _Prepared:
+    """What the engine thread reports back about one prompt (filled by ``prepare``)."""
+
+    prompt_text: str | None = None
+    prompt_len: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class OpenAIServing:
+    """Turns validated OpenAI requests into engine requests and engine outputs into replies.
+
+    Args:
+        engine: the running :class:`AsyncEngine`.
+        served_model_name: the name clients must send as ``model`` (the engine's model name is accepted
+            too); ``model`` may also be omitted.
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self._aliases = {served_model_name, engine.model_name}
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, model: str | None) -> None:
+        """Raises OpenAIError(404) for a model this server does not serve."""
+        if model is not None and model not in self._aliases:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"`{self.served_model_name}` (see GET /v1/models)",
+                              param="model", code="model_not_found")
+
+    @staticmethod
+    def _max_tokens(prompt_len: int, requested: int | None, default: int | None, max_model_len: int,
+                    prompt_param: str, tokens_param: str) -> int:
+        """Completion budget: ``requested`` must fit in the context; otherwise ``default`` capped to the
+        room left (all of it when ``default`` is None).
+
+        Raises:
+            OpenAIError(400, code=context_length_exceeded): the prompt leaves no room, or
+                ``prompt_len + requested > max_model_len``.
+        """
+        room = max_model_len - prompt_len
+        if room <= 0:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+                     f"has {prompt_len} tokens, leaving no room for the completion; shorten the prompt "
+                     f"to at most {max_model_len - 1} tokens",
+                param=prompt_param, code="context_length_exceeded")
+        if requested is not None:
+            if prompt_len + requested > max_model_len:
+                raise OpenAIError(
+                    400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                         f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                         f"{requested} for the completion); reduce {tokens_param} to at most {room} "
+                         f"or shorten the prompt",
+                    param=tokens_param, code="context_length_exceeded")
+            return requested
+        return room if default is None else min(default, room)
+
+    @staticmethod
+    def _sampling_params(req: SamplingRequestFields, max_tokens: int) -> Any:
+        from vmkv.engine.sampling_params import SamplingParams
+
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else float(req.temperature),
+                top_p=1.0 if req.top_p is None else float(req.top_p),
+                top_k=-1 if req.top_k in (None, 0) else int(req.top_k),
+                seed=req.seed,
+                max_tokens=max_tokens,
+                stop=req.stop_list,
+                stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
+                ignore_eos=req.ignore_eos,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), code="invalid_value") from exc
+
+    async def _add(self, request_id: str, prepare: Callable[[Any], tuple], prompt_param: str,
+                   arrival: float) -> RequestStream:
+        """Add one engine request; map engine errors to OpenAI errors."""
+        try:
+            return await self.engine.add_request(request_id, prepare=prepare, arrival_time=arrival)
+        except OpenAIError:
+            raise
+        except (EngineDeadError, EngineShutdownError) as exc:
+            raise OpenAIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
+        except ValueError as exc:  # PromptTooLongError, empty prompt, bad messages, bad token ids
+            code = "context_length_exceeded" if hasattr(exc, "max_model_len") else "invalid_value"
+            raise OpenAIError(400, str(exc), param=prompt_param, code=code) from exc
+
+    # ------------------------------------------------------------------ completions
+    async def completion_streams(self, req: CompletionRequest, request_id: str, arrival: float
+                                 ) -> tuple[list[RequestStream], list[_Prepared]]:
+        prompts = req.prompts()
+        explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+        streams: list[RequestStream] = []
+        infos: list[_Prepared] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                info = _Prepared()
+
+                def prepare(engine: Any, prompt: str | list[int] = prompt, info: _Prepared = info) -> tuple:
+                    if isinstance(prompt, str):
+                        ids = _encode(engine, prompt)
+                        info.prompt_text = prompt
+                    else:
+                        ids = list(prompt)
+                        vocab = int(engine.model_config.vocab_size)
+                        bad = [t for t in ids if t >= vocab]
+                        if bad:
+                            raise OpenAIError(400, f"prompt: token id {bad[0]} is out of range "
+                                                   f"[0, {vocab - 1}] of the vocabulary",
+                                              param="prompt", code="invalid_value")
+                        info.prompt_text = engine.tokenizer.decode(ids) if req.echo and \
+                            engine.tokenizer is not None else None
+                    info.prompt_len = len(ids)
+                    max_tokens = self._max_tokens(len(ids), req.max_tokens if explicit else None,
+                                                  COMPLETION_DEFAULT_MAX_TOKENS, engine.max_model_len,
+                                                  "prompt", "max_tokens")
+                    return (prompt if isinstance(prompt, str) else None, ids,
+                            self._sampling_params(req, max_tokens))
+
+                streams.append(await self._add(f"{request_id}-{i}", prepare, "prompt", arrival))
+                infos.append(info)
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise
+        return streams, infos
+
+    def completion_response(self, req: CompletionRequest, request_id: str, created: int,
+                            finals: list["RequestOutput"], infos: list[_Prepared]) -> CompletionResponse:
+        choices = []
+        for pi, (out, info) in enumerate(zip(finals, infos)):
+            for c in out.outputs:
+                text = (info.prompt_text or "") + c.text if req.echo else c.text
+                choices.append(CompletionChoice(index=pi * req.n + c.index, text=text,
+                                                finish_reason=_finish_reason(c.finish_reason),
+                                                stop_reason=c.stop_reason))
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                  choices=choices, usage=_usage(finals))
+
+    async def completion_sse(self, req: CompletionRequest, request_id: str, created: int,
+                             streams: list[RequestStream], infos: list[_Prepared]) -> AsyncIterator[str]:
+        model = self.served_model_name
+        sent: dict[int, int] = {}
+        done: set[int] = set()
+
+        def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                choices=choices, usage=usage))
+        try:
+            if req.echo:
+                for pi, info in enumerate(infos):
+                    for j in range(req.n):
+                        yield chunk([CompletionStreamChoice(index=pi * req.n + j, text=info.prompt_text or "")])
+            finals: dict[int, RequestOutput] = {}
+            async for pi, out in merge_streams(streams):
+                for c in out.outputs:
+                    idx = pi * req.n + c.index
+                    if idx in done:
+                        continue
+                    delta = c.text[sent.get(idx, 0):]
+                    reason = _finish_reason(c.finish_reason)
+                    if delta or reason is not None:
+                        sent[idx] = len(c.text)
+                        if reason is not None:
+                            done.add(idx)
+                        yield chunk([CompletionStreamChoice(index=idx, text=delta, finish_reason=reason,
+                                                            stop_reason=c.stop_reason)])
+                if out.finished:
+                    finals[pi] = out
+            if req.include_usage:
+                yield chunk([], _usage([finals[i] for i in sorted(finals)]))
+        except (EngineDeadError, EngineShutdownError) as exc:
+            yield sse(error_body(OpenAIError(503, f"the engine stopped: {exc}", code="engine_unavailable")))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ chat
+    async def chat_stream(self, req: ChatCompletionRequest, request_id: str, arrival: float
+                          ) -> tuple[RequestStream, _Prepared]:
+        messages = req.message_dicts()
+        info = _Prepared()
+
+        def prepare(engine: Any) -> tuple:
+            ids = list(engine.apply_chat_template(messages))
+            info.prompt_len = len(ids)
+            max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, None, engine.max_model_len,
+                                          "messages", "max_completion_tokens"
+                                          if req.max_completion_tokens is not None else "max_tokens")
+            return None, ids, self._sampling_params(req, max_tokens)
+
+        return await self._add(request_id, prepare, "messages", arrival), info
+
+    def chat_response(self, request_id: str, created: int, final: "RequestOutput") -> ChatCompletionResponse:
+        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                        finish_reason=_finish_reason(c.finish_reason), stop_reason=c.stop_reason)
+                   for c in sorted(final.outputs, key=lambda c: c.index)]
+        return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                      choices=choices, usage=_usage([final]))
+
+    async def chat_sse(self, req: ChatCompletionRequest, request_id: str, created: int,
+                       stream: RequestStream) -> AsyncIterator[str]:
+        model = self.served_model_name
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                           usage=usage))
+        sent: dict[int, int] = {}
+        done: set[int] = set()
+        try:
+            # the first chunk of every choice carries the role (OpenAI sends it before any content)
+            for i in range(req.n):
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                                     content=""))])
+            final = None
+            async for out in stream:
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    delta = c.text[sent.get(c.index, 0):]
+                    reason = _finish_reason(c.finish_reason)
+                    if delta or reason is not None:
+                        sent[c.index] = len(c.text)
+                        if reason is not None:
+                            done.add(c.index)
+                        yield chunk([ChatCompletionStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=delta), finish_reason=reason,
+                            stop_reason=c.stop_reason)])
+                final = out
+            if req.include_usage and final is not None:
+                yield chunk([], _usage([final]))
+        except (EngineDeadError, EngineShutdownError) as exc:
+            yield sse(error_body(OpenAIError(503, f"the engine stopped: {exc}", code="engine_unavailable")))
+        yield SSE_DONE
+
+
+def _encode(engine: Any, prompt: str) -> list[int]:
+    """Token ids of a completion prompt, the way the engine would tokenize it (engine thread only)."""
+    encode = getattr(engine, "encode", None) or getattr(engine, "tokenize", None)
+    if callable(encode):
+        return list(encode(prompt))
+    if engine.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer; send prompt as a list of token ids",
+                          param="prompt", code="invalid_value")
+    return list(engine.tokenizer.encode(prompt))
+
+
+def _usage(finals: list["RequestOutput"]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in finals)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+_STREAM_END = object()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, "RequestOutput"]]:
+    """Interleave several request streams as ``(stream_index, output)``; closing the merged iterator
+    (or an error in one stream) aborts every unfinished one."""
+    if len(streams) == 1:
+        it = streams[0].__aiter__()
+        try:
+            async for out in it:
+                yield 0, out
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+        return
+    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            q.put_nowait((i, exc))
+        finally:
+            q.put_nowait((i, _STREAM_END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is _STREAM_END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(streams: list[RequestStream]) -> list["RequestOutput"]:
+    """Wait for every stream to finish; their final outputs in order."""
+    finals: dict[int, Any] = {}
+    async for i, out in merge_streams(streams):
+        if out.finished:
+            finals[i] = out
+    return [finals[i] for i in range(len(streams))]
+
+
+def now() -> tuple[float, int]:
+    """``(time.perf_counter(), unix seconds)`` of a request's arrival."""
+    return time.perf_counter(), int(time.time())

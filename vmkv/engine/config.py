@@ -1,0 +1,183 @@
+"""Engine configuration: a chain of frozen dataclasses validated in ``__post_init__``.
+
+``EngineConfig`` holds a ``CacheConfig`` (which KV backend and how much memory) and a
+``SchedulerConfig`` (token budget per step, sequences per step, context length).  Nothing mutates
+a config after construction; derived values live on the engine.  The CLI reads its defaults from
+these classes (``vmkv generate --help``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from vmkv.kvcache.registry import BACKENDS
+
+__all__ = ["CacheConfig", "SchedulerConfig", "EngineConfig", "DEFAULT_CPU_KV_MEMORY_BYTES",
+           "DEFAULT_MAX_MODEL_LEN"]
+
+#: KV budget on CPU when ``memory_bytes`` is not given (a fixed, modest amount)
+DEFAULT_CPU_KV_MEMORY_BYTES = 256 * 1024 * 1024
+#: context length when ``max_model_len`` is not given: ``min(model context, this)``
+DEFAULT_MAX_MODEL_LEN = 4096
+
+_LAYOUTS = ("megacache", "per_layer")
+_DRIVERS = ("auto", "cuda", "host")
+_DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float", "auto")
+
+
+def _positive_int(owner: str, name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{owner}.{name} must be a positive int{none}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Which KV backend and how much memory it gets.
+
+    Args:
+        backend: ``"paged"`` (blocks + block tables) or ``"vmem"`` (virtual slot per sequence).
+        memory_bytes: physical KV budget in bytes; ``None``: 256 MiB on CPU, on CUDA
+            ``gpu_memory_utilization`` of the free memory after the weights are loaded.
+        gpu_memory_utilization: fraction in (0, 1] of free GPU memory given to the KV cache.
+        block_size: paged backend: tokens per block (power of two, 1..1024).
+        page_size_bytes: vmem backend: bytes per physical page; ``None``: the driver's default
+            (2 MiB on CUDA, 64 KiB on the host driver).
+        layout: vmem backend: ``"megacache"`` or ``"per_layer"``.
+        driver: vmem backend: ``"auto"``, ``"cuda"`` or ``"host"``.
+        enable_prefix_caching: share full blocks/pages of identical prompt prefixes.
+    Raises:
+        ValueError: a field is out of range (the message names field, value and range).
+    """
+
+    backend: str = "paged"
+    memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.5
+    block_size: int = 16
+    page_size_bytes: int | None = None
+    layout: str = "megacache"
+    driver: str = "auto"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"CacheConfig.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        _positive_int("CacheConfig", "memory_bytes", self.memory_bytes, allow_none=True)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
+        _positive_int("CacheConfig", "block_size", self.block_size)
+        if self.block_size & (self.block_size - 1) or self.block_size > 1024:
+            raise ValueError(
+                f"CacheConfig.block_size must be a power of two in [1, 1024], got {self.block_size}")
+        _positive_int("CacheConfig", "page_size_bytes", self.page_size_bytes, allow_none=True)
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"CacheConfig.layout must be one of {list(_LAYOUTS)}, got {self.layout!r}")
+        if self.driver not in _DRIVERS:
+            raise ValueError(f"CacheConfig.driver must be one of {list(_DRIVERS)}, got {self.driver!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"CacheConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+    def backend_options(self) -> dict[str, Any]:
+        """Keyword options for :func:`vmkv.kvcache.create_kv_cache` of this backend."""
+        if self.backend == "paged":
+            return {"block_size": self.block_size,
+                    "enable_prefix_caching": self.enable_prefix_caching}
+        return {"driver": self.driver, "layout": self.layout, "page_size_bytes": self.page_size_bytes,
+                "enable_prefix_caching": self.enable_prefix_caching}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits.
+
+    Args:
+        max_num_seqs: sequences running at once at most (also the vmem backend's slot count).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: positions per sequence (prompt + output); ``None``:
+            ``min(model context, 4096)``.
+        enable_chunked_prefill: split a prompt longer than the step's remaining budget over steps;
+            when off, ``max_num_batched_tokens`` must be ``>= max_model_len``.
+    Raises:
+        ValueError: a field is out of range.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
+        _positive_int("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("SchedulerConfig", "max_model_len", self.max_model_len, allow_none=True)
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False; "
+                "enable chunked prefill or raise the budget")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything :class:`vmkv.engine.llm_engine.LLMEngine` needs.
+
+    Args:
+        model: HF model directory or ``.gguf`` path; ``None``: the default model
+            (SmolLM2-135M-Instruct Q4_1).  Ignored when ``random_weights`` is set.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``None``: CUDA when available, else CPU.
+        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (or ``"auto"``/``None``: bf16 on CUDA,
+            fp32 on CPU).
+        cache, scheduler: see :class:`CacheConfig`, :class:`SchedulerConfig`.
+        seed: seeds the sampler's shared generator (requests without their own seed).
+        random_weights: a named random-weight shape (``"tiny"``, ``"smollm2-135m"``,
+            ``"llama3-8b"``, ...) instead of a checkpoint, for benchmarks.
+    Raises:
+        ValueError: a field is out of range.
+    """
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    random_weights: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {list(_DTYPES)} or None, got {self.dtype!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"EngineConfig.cache must be a CacheConfig, got {type(self.cache).__name__}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(
+                f"EngineConfig.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+
+    @classmethod
+    def from_args(cls, model: str | None = None, kv_backend: str = "paged", device: str | None = None,
+                  dtype: str | None = None, **knobs: Any) -> "EngineConfig":
+        """Build a config from flat keyword knobs (fields of the three configs).
+
+        Raises:
+            TypeError: a knob that is no field of any config (the message lists the valid ones).
+            ValueError: a value out of range.
+        """
+        cache_fields = {f.name for f in dataclasses.fields(CacheConfig)} - {"backend"}
+        sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        engine_fields = {"seed", "random_weights"}
+        unknown = set(knobs) - cache_fields - sched_fields - engine_fields
+        if unknown:
+            valid = sorted(cache_fields | sched_fields | engine_fields)
+            raise TypeError(f"unknown engine option(s) {sorted(unknown)}; valid options: {valid}")
+        cache = CacheConfig(backend=kv_backend, **{k: v for k, v in knobs.items() if k in cache_fields})
+        sched = SchedulerConfig(**{k: v for k, v in knobs.items() if k in sched_fields})
+        extra = {k: v for k, v in knobs.items() if k in engine_fields}
+        return cls(model=model, device=device, dtype=dtype, cache=cache, scheduler=sched, **extra)

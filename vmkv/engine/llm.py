@@ -1,0 +1,142 @@
+"""The offline API in vLLM's shape::
+
+    from vmkv import LLM, SamplingParams
+    llm = LLM(kv_backend="vmem")                      # default model: SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(outs[0].outputs[0].text)
+    llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Union
+
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.outputs import CompletionOutput, RequestOutput
+from vmkv.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+PromptType = Union[str, dict]
+Conversation = list
+
+
+class LLM:
+    """An engine plus a loop that runs it until every request finishes.
+
+    Args:
+        model: HF model directory or ``.gguf`` file; ``None``: the default model.
+        kv_backend: ``"paged"`` or ``"vmem"``.
+        device: ``"cpu"``/``"cuda"``; ``None``: CUDA when available.
+        dtype: ``"float32"``/``"float16"``/``"bfloat16"``; ``None``: bf16 on CUDA, fp32 on CPU.
+        **knobs: fields of CacheConfig / SchedulerConfig / EngineConfig (``memory_bytes``,
+            ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``block_size``,
+            ``page_size_bytes``, ``layout``, ``driver``, ``enable_prefix_caching``, ``seed``,
+            ``random_weights``, ...).
+    """
+
+    def __init__(self, model: str | None = None, kv_backend: str = "paged", device: str | None = None,
+                 dtype: str | None = None, **knobs: Any) -> None:
+        self.engine = LLMEngine.from_args(model, kv_backend, device, dtype, **knobs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for one or more prompts, returned in prompt order.
+
+        Args:
+            prompts: a string, ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``), or
+                a list of them.
+            params: one :class:`SamplingParams` for all, a list with one per prompt, or ``None``
+                for the defaults.
+            use_tqdm: show a progress bar of finished requests.
+        Raises:
+            ValueError: a malformed prompt, or a params list of the wrong length.
+            PromptTooLongError: a prompt does not fit ``max_model_len``.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_list(params, len(prompts))
+        request_ids = []
+        for prompt, p in zip(prompts, params_list):
+            text, token_ids = self._parse_prompt(prompt)
+            rid = f"gen-{next(self._ids)}"
+            self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+            request_ids.append(rid)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or a list of conversations.
+
+        Each conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``
+        rendered with the tokenizer's chat template (ending in the generation prompt).
+        Raises:
+            ValueError: empty or malformed messages, or no chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of message dicts or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c)} for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _params_list(params, num: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(num)]
+        if isinstance(params, SamplingParams):
+            return [params] * num
+        params = list(params)
+        if len(params) != num:
+            raise ValueError(f"got {len(params)} SamplingParams for {num} prompts; give one or one per prompt")
+        return params
+
+    @staticmethod
+    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], None
+        raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids' or 'prompt', got {prompt!r}")
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = _progress(len(request_ids)) if use_tqdm else None
+        try:
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in pending:                  # interrupted: do not leave requests holding KV
+                self.engine.abort_request(rid)
+        return [final[r] for r in request_ids if r in final]
+
+
+def _progress(total: int):
+    try:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - tqdm ships with transformers' dependencies
+        return None
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, leave=False)

@@ -1,0 +1,344 @@
+"""``LLMEngine``: continuous batching over one KV-cache backend.
+
+The engine knows only the :class:`~vmkv.kvcache.KVCache` interface; switching
+``kv_backend="paged"`` to ``"vmem"`` changes nothing else.  A step is three lines::
+
+    sched = self.scheduler.schedule()        # who runs, how many tokens; KV backed
+    sampled = self.runner.execute(sched)     # tensors, model forward, sampling
+    return self._update(sched, sampled)      # append tokens, stop checks, fork, free, outputs
+
+Not thread-safe: one thread drives it (the server runs it on a background thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from vmkv.engine.config import DEFAULT_CPU_KV_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from vmkv.engine.outputs import EngineStats, RequestOutput
+from vmkv.engine.runner import ModelRunner
+from vmkv.engine.sampler import Sampler
+from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.scheduler import Scheduler, SchedulerOutput, TimedAllocator
+from vmkv.engine.sequence import PromptTooLongError, Sequence, SequenceGroup, SequenceStatus
+from vmkv.kvcache import create_kv_cache
+
+__all__ = ["LLMEngine", "PromptTooLongError", "resolve_device", "resolve_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None`` -> ``cuda`` when available, else ``cpu``."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """``None``/``"auto"`` -> bf16 on CUDA, float32 on CPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    """Continuous-batching engine (see the module docstring).
+
+    Args:
+        config: :class:`~vmkv.engine.config.EngineConfig`.
+    Raises:
+        ValueError: ``max_model_len`` above the model's context, or a KV budget that cannot hold
+            one sequence of ``max_model_len`` tokens (the message says what to change).
+    """
+
+    def __init__(self, config: EngineConfig, *, loaded=None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if loaded is None:
+            loaded = self._load_model()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = str(getattr(loaded, "name", None) or config.model or config.random_weights)
+        mc = self.model_config
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in self.eos_token_ids:
+            self.eos_token_ids += (int(tok_eos),)
+        cc, sc = config.cache, config.scheduler
+        spec = mc.kv_spec(self.device, self.dtype)
+        memory_bytes = self._resolve_memory_bytes(spec)
+        self.kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=sc.max_num_seqs,
+                                        max_model_len=self.max_model_len, memory_bytes=memory_bytes,
+                                        **cc.backend_options())
+        free_tokens = self.kv_cache.usage().free_tokens
+        if free_tokens < self.max_model_len:
+            cap = self.kv_cache.usage().capacity_bytes
+            self.kv_cache.close()
+            raise ValueError(
+                f"the KV cache ({cap} bytes, {free_tokens} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens ({spec.kv_bytes(self.max_model_len)} "
+                "bytes); raise memory_bytes / gpu_memory_utilization or lower max_model_len")
+        self.allocator = TimedAllocator(self.kv_cache)
+        self.scheduler = Scheduler(sc, self.allocator, self.max_model_len, cc.enable_prefix_caching)
+        self.sampler = Sampler(config.seed, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._finished_unreported: list[SequenceGroup] = []
+        self._next_seq_id = 0
+        self._num_steps = 0
+        self._step_time_s_total = 0.0
+        self._last_step_time_s = 0.0
+        self._max_concurrent_seqs = 0
+        self._num_prompt_tokens_total = 0
+        self._num_generation_tokens_total = 0
+        self._num_finished_total = 0
+        logger.info("engine ready: model %s, %s backend, %s %s, max_model_len %d, KV %d bytes",
+                    self.model_name, cc.backend, self.device, self.dtype, self.max_model_len,
+                    memory_bytes)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, kv_backend: str = "paged", device: str | None = None,
+                  dtype: str | None = None, **knobs: Any) -> "LLMEngine":
+        """Build from flat knobs (fields of CacheConfig, SchedulerConfig and EngineConfig)."""
+        return cls(EngineConfig.from_args(model, kv_backend, device, dtype, **knobs))
+
+    # ------------------------------------------------------------------ construction helpers
+    def _load_model(self):
+        from vmkv import model as model_pkg  # noqa: PLC0415  (heavy; imported on demand)
+
+        if self.config.random_weights:
+            return model_pkg.random_model(self.config.random_weights, device=str(self.device),
+                                          dtype=self.dtype, seed=self.config.seed)
+        return model_pkg.load_model(self.config.model, device=str(self.device), dtype=self.dtype)
+
+    def _resolve_max_model_len(self) -> int:
+        ctx = self.model_config.max_position_embeddings
+        want = self.config.scheduler.max_model_len
+        if want is None:
+            return min(ctx, DEFAULT_MAX_MODEL_LEN)
+        if want > ctx:
+            raise ValueError(f"max_model_len={want} exceeds the model's context of {ctx} tokens; "
+                             f"use a value in [1, {ctx}]")
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < want:
+            raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= "
+                             f"max_model_len={want} when chunked prefill is off")
+        return want
+
+    def _resolve_memory_bytes(self, spec) -> int:
+        cc, sc = self.config.cache, self.config.scheduler
+        most_useful = spec.kv_bytes(sc.max_num_seqs * self.max_model_len)
+        if cc.memory_bytes is not None:
+            return cc.memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cc.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_MEMORY_BYTES
+        return max(1, min(budget, most_useful))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text (tokenized with the model's tokenizer) or ``None`` when
+                ``prompt_token_ids`` is given (the ids win when both are).
+            params: sampling parameters (validated again here).
+            arrival_time: ``time.perf_counter()`` seconds; default now.
+        Raises:
+            PromptTooLongError: the prompt has ``>= max_model_len`` tokens.
+            ValueError: empty prompt, duplicate id, token ids outside the vocabulary, stop
+                strings without a tokenizer.
+        """
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        params.validate()
+        if prompt_token_ids is None:
+            if prompt is None or prompt == "":
+                raise ValueError("prompt is empty: give a non-empty prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+            prompt_token_ids = list(self.tokenizer.encode(prompt))
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: prompt_token_ids must hold at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        group = SequenceGroup(request_id, prompt, prompt_token_ids, params, self.tokenizer,
+                              time.perf_counter() if arrival_time is None else arrival_time,
+                              self.device)
+        group.seqs.append(Sequence(self._new_seq_id(), group, 0))
+        self._groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request with ``"abort"`` and free its KV now; unknown/finished ids are ignored.
+        The aborted request is reported by the next :meth:`step`."""
+        group = self._groups.get(request_id)
+        if group is None or group.is_finished:
+            return
+        group.aborted = True
+        group.num_pending_forks = 0
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        self._finish_group(group, time.perf_counter())
+        self._finished_unreported.append(group)
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests still running or waiting, or finished ones not yet reported by :meth:`step`."""
+        return bool(self._groups) or bool(self._finished_unreported)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration; outputs of every request that produced tokens or finished."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched) if not sched.is_empty else {}
+        outputs = self._update(sched, sampled)
+        self._last_step_time_s = time.perf_counter() - t0
+        self._step_time_s_total += self._last_step_time_s
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[int, list[int]]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        touched: dict[str, SequenceGroup] = {g.request_id: g for g in self._finished_unreported}
+        self._finished_unreported = []
+        for group in sched.ignored:
+            group.num_pending_forks = 0
+            for seq in group.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = "length"
+            self._finish_group(group, now)
+            touched[group.request_id] = group
+        if not sched.is_empty:
+            self._num_steps += 1
+            self._max_concurrent_seqs = max(self._max_concurrent_seqs, len(self.scheduler.running))
+        for s in sched.scheduled:
+            seq, group = s.seq, s.seq.group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            if s.is_prefill:
+                self._num_prompt_tokens_total += s.num_new_tokens
+            tokens = sampled.get(seq.seq_id)
+            if not tokens:
+                continue
+            if seq.index == 0 and group.num_pending_forks:
+                self._fork(seq, tokens[1:])
+            self._append(seq, tokens[0])
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+            if not group.metrics.token_times or group.metrics.token_times[-1] != now:
+                group.metrics.token_times.append(now)
+            touched[group.request_id] = group
+            if group.is_finished:
+                self._finish_group(group, now)
+        return [g.to_output() for g in touched.values()]
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        self._num_generation_tokens_total += 1
+        seq.append_token(token, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _fork(self, parent: Sequence, child_tokens: list[int]) -> None:
+        """Create the request's other ``n - 1`` completions from the parent's computed prompt;
+        each gets its first token; those that do not finish at once share the prompt's KV."""
+        group = parent.group
+        first_index = group.params.n - group.num_pending_forks
+        group.num_pending_forks = 0
+        for offset, token in enumerate(child_tokens):
+            child = Sequence(self._new_seq_id(), group, first_index + offset)
+            group.seqs.append(child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._num_generation_tokens_total += 1
+            child.append_token(token, self.eos_token_ids, self.max_model_len)
+            if child.finish_reason is not None:
+                child.status = SequenceStatus.FINISHED
+            else:
+                self.scheduler.add_forked(parent, child)
+
+    def _finish_group(self, group: SequenceGroup, now: float) -> None:
+        group.metrics.finished_time = now
+        self._groups.pop(group.request_id, None)
+        self._num_finished_total += 1
+
+    # ------------------------------------------------------------------ introspection
+    def get_stats(self) -> EngineStats:
+        usage = self.kv_cache.usage()
+        running = self.scheduler.running
+        return EngineStats(
+            num_running=len({s.group.request_id for s in running}),
+            num_waiting=len({s.group.request_id for s in self.scheduler.waiting} -
+                            {s.group.request_id for s in running}),
+            num_preempted_total=self.scheduler.num_preempted_total,
+            kv_usage=usage,
+            prefix_hit_rate=usage.prefix_hit_rate,
+            num_steps=self._num_steps,
+            step_time_s_total=self._step_time_s_total,
+            alloc_time_s_total=self.allocator.time_s,
+            last_step_time_s=self._last_step_time_s,
+            max_concurrent_seqs=self._max_concurrent_seqs,
+            num_running_seqs=len(running),
+            num_prefill_chunks_total=self.scheduler.num_prefill_chunks_total,
+            num_prompt_tokens_total=self._num_prompt_tokens_total,
+            num_generation_tokens_total=self._num_generation_tokens_total,
+            num_cached_tokens_total=self.scheduler.num_cached_tokens_total,
+            num_finished_total=self._num_finished_total,
+        )
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` rendered with the tokenizer's chat template, ending with the
+        assistant generation prompt.
+
+        Raises:
+            ValueError: empty or malformed messages (each needs string ``role`` and ``content``),
+                or a tokenizer without a chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content', got {m!r}")
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.model_name} has no chat template; send a plain prompt")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def close(self) -> None:
+        """Release the KV cache's memory (the engine is unusable afterwards)."""
+        self.kv_cache.close()

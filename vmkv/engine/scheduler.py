@@ -1,0 +1,274 @@
+"""Iteration-level (continuous-batching) scheduler with chunked prefill and recompute preemption.
+
+Each step (Orca's iteration-level scheduling, Yu et al., OSDI'22; vLLM's scheduler, Kwon et al.,
+SOSP'23, section 4.5) gets a token budget of ``max_num_batched_tokens``:
+
+1. running sequences that decode (one new token each), oldest first: before the step each gets
+   one more backed position (``KVCache.extend(seq, 1)``).  When the cache is full the NEWEST
+   running sequence is preempted by recompute (its KV freed, it goes back to the front of the
+   waiting queue and later recomputes prompt + generated tokens), until the extension fits;
+2. running sequences still prefilling (chunked prefill: a long prompt is split over steps, at
+   most the remaining budget per step, as in Sarathi / vLLM's chunked prefill);
+3. waiting sequences in FIFO order (preempted ones first), while the budget, ``max_num_seqs`` and
+   the KV capacity allow (no admission in a step that preempted).  Admission allocates the whole
+   prompt with its token ids, so the prefix cache reports cached leading tokens that are not
+   recomputed (``num_computed_tokens`` starts at the hit count).
+
+The scheduler deals in sequence ids and counts only; the runner turns them into tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+from vmkv.engine.config import SchedulerConfig
+from vmkv.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from vmkv.kvcache.base import KVCache, KVCacheFullError
+
+__all__ = ["ScheduledSeq", "SchedulerOutput", "TimedAllocator", "Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute positions ``num_computed_tokens ..
+    num_computed_tokens + num_new_tokens - 1``."""
+
+    seq: Sequence
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or self.num_computed_tokens < self.seq.prompt_len
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes.
+
+    Attributes:
+        scheduled: decodes first, then prefill chunks (batch order of the step).
+        preempted: sequences preempted while scheduling this step.
+        ignored: requests that can never fit in the KV cache (finished with ``"length"``).
+    """
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class TimedAllocator:
+    """Forwards the cache's lifecycle calls and adds their wall time to ``time_s`` (seconds)."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self.time_s = 0.0
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.time_s += time.perf_counter() - t0
+
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Seq[int] | None) -> int:
+        return self._timed(self.kv_cache.allocate, seq_id, num_tokens, token_ids)
+
+    def extend(self, seq_id: int, num_tokens: int) -> None:
+        self._timed(self.kv_cache.extend, seq_id, num_tokens)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self._timed(self.kv_cache.fork, parent_id, child_id)
+
+    def free(self, seq_id: int) -> None:
+        self._timed(self.kv_cache.free, seq_id)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.kv_cache.seq_len(seq_id)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; decides every step's batch.
+
+    Args:
+        config: budget and limits.
+        allocator: the KV cache's lifecycle calls (timed).
+        max_model_len: positions per sequence.
+        enable_prefix_caching: pass prompt token ids to ``allocate``.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: TimedAllocator, max_model_len: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.config = config
+        self.alloc = allocator
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preempted_total = 0
+        self.num_prefill_chunks_total = 0
+        self.num_cached_tokens_total = 0
+
+    # ------------------------------------------------------------------ queues
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a new request's parent sequence."""
+        self.waiting.append(group.parent)
+
+    def num_reserved_seqs(self) -> int:
+        """Running sequences plus the forks their requests will still make."""
+        pending = sum(s.group.num_pending_forks for s in self.running if s.index == 0)
+        return len(self.running) + pending
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished (or aborted) sequence's KV and drop it from the queues."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.alloc.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> bool:
+        """Fork ``parent``'s KV into ``child`` and run it next to the parent.
+
+        When the cache cannot take the fork (``KVCacheFullError``, e.g. no free vmem slot), the
+        child waits at the front of the queue to recompute its prompt (prefix hits share it).
+        Returns whether the fork succeeded.
+        """
+        try:
+            self.alloc.fork(parent.seq_id, child.seq_id)
+        except KVCacheFullError as e:
+            logger.debug("fork of seq %d into %d failed (%s); child will recompute",
+                         parent.seq_id, child.seq_id, e)
+            child.status = SequenceStatus.PREEMPTED
+            child.num_computed_tokens = 0
+            self.waiting.appendleft(child)
+            return False
+        child.status = SequenceStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        pos = self.running.index(parent) + 1
+        while pos < len(self.running) and self.running[pos].group is parent.group:
+            pos += 1
+        self.running.insert(pos, child)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.alloc.free(seq.seq_id)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preempted_total += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted seq %d of request %s (recompute %d tokens)",
+                     seq.seq_id, seq.group.request_id, seq.num_tokens)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch and back its KV (see the module docstring)."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue                                    # preempted earlier in this step
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                if not chunked:
+                    continue
+                num_new = budget
+            budget = self._back(seq, seq.num_computed_tokens + num_new, out, budget)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue                                    # it preempted itself
+            self._take(seq, num_new, out)
+            budget -= num_new
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _take(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        sched = ScheduledSeq(seq, seq.num_computed_tokens, num_new)
+        out.scheduled.append(sched)
+        if sched.is_prefill and not sched.samples:
+            self.num_prefill_chunks_total += 1
+        seq.num_computed_tokens += num_new
+
+    def _back(self, seq: Sequence, needed_len: int, out: SchedulerOutput, budget: int) -> int:
+        """Extend ``seq`` to ``needed_len`` positions, preempting the newest running sequences
+        while the cache is full.  Returns the budget (refunded for preempted scheduled ones)."""
+        while True:
+            extra = needed_len - self.alloc.seq_len(seq.seq_id)
+            if extra <= 0:
+                return budget
+            try:
+                self.alloc.extend(seq.seq_id, extra)
+                return budget
+            except KVCacheFullError:
+                victim = self.running[-1]
+                for i, sched in enumerate(out.scheduled):
+                    if sched.seq is victim:                 # undo its share of this step
+                        budget += sched.num_new_tokens
+                        del out.scheduled[i]
+                        break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            group = seq.group
+            need_slots = 1 + (group.num_pending_forks if seq.index == 0 else 0)
+            if self.num_reserved_seqs() + need_slots > self.config.max_num_seqs:
+                break
+            num_tokens = seq.num_tokens
+            token_ids = seq.all_token_ids() if self.enable_prefix_caching else None
+            try:
+                num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids)
+            except KVCacheFullError as e:
+                if not self.running and not out.scheduled:
+                    logger.warning("request %s can never fit in the KV cache (%s); finishing it "
+                                   "with finish_reason='length'", group.request_id, e)
+                    self.waiting.popleft()
+                    out.ignored.append(group)
+                    continue
+                break
+            num_new = min(num_tokens - num_cached, budget)
+            if num_new < num_tokens - num_cached and not chunked:
+                self.alloc.free(seq.seq_id)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            self.running.append(seq)
+            self.num_cached_tokens_total += num_cached
+            if not group.admitted:
+                group.admitted = True
+                group.num_cached_tokens = num_cached
+            self._take(seq, num_new, out)
+            budget -= num_new

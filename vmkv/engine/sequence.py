@@ -1,0 +1,217 @@
+"""Requests and their sequences.
+
+A request (:class:`SequenceGroup`) has ``n`` completions.  Its first sequence (the parent) is
+prefilled alone; when the prompt is done the engine forks it into ``n`` sequences
+(``KVCache.fork``) that share the prompt's KV.  Each :class:`Sequence` moves through
+``WAITING -> RUNNING -> FINISHED``; a running sequence can be preempted by recompute
+(``PREEMPTED``: its KV is freed and it waits again, to recompute prompt + generated tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence as Seq
+
+import torch
+
+from vmkv.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback_len
+from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.sampling_params import SamplingParams
+
+__all__ = ["SequenceStatus", "Sequence", "SequenceGroup", "PromptTooLongError"]
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for an output token within ``max_model_len``.
+
+    Attributes:
+        prompt_len: tokens in the prompt.
+        max_model_len: positions per sequence.
+    """
+
+    def __init__(self, prompt_len: int, max_model_len: int) -> None:
+        self.prompt_len = int(prompt_len)
+        self.max_model_len = int(max_model_len)
+        super().__init__(
+            f"prompt has {self.prompt_len} tokens but max_model_len is {self.max_model_len}; the "
+            f"prompt must be at most {self.max_model_len - 1} tokens (shorten it or raise max_model_len)")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"        # not yet admitted (no KV)
+    RUNNING = "running"        # holds KV; prefilling or decoding
+    PREEMPTED = "preempted"    # KV freed by recompute preemption; waits to recompute
+    FINISHED = "finished"      # done (stop, length or abort); KV freed
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """Distinct, stable generator seeds for the n completions of one seeded request."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (2 ** 63)
+
+
+class Sequence:
+    """One completion: prompt + output tokens, compute progress, text state.
+
+    Attributes:
+        seq_id: the KV cache's sequence id (unique in the engine).
+        index: which of the request's ``n`` completions.
+        num_computed_tokens: leading tokens whose K/V is in the cache.
+        output_token_ids: sampled tokens.
+        text: decoded output (including any held-back tail).
+    """
+
+    def __init__(self, seq_id: int, group: "SequenceGroup", index: int) -> None:
+        self.seq_id = seq_id
+        self.group = group
+        self.index = index
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text = ""
+        self.num_preemptions = 0
+        self.detokenizer = (
+            IncrementalDetokenizer(group.tokenizer, group.prompt_token_ids,
+                                   group.params.skip_special_tokens)
+            if group.tokenizer is not None else None)
+
+    # ------------------------------------------------------------------ tokens
+    @property
+    def prompt_len(self) -> int:
+        return len(self.group.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def all_token_ids(self) -> list[int]:
+        return self.group.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``start..end-1`` of prompt + output."""
+        p = self.group.prompt_token_ids
+        if end <= len(p):
+            return p[start:end]
+        out = self.output_token_ids
+        if start >= len(p):
+            return out[start - len(p):end - len(p)]
+        return p[start:] + out[:end - len(p)]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.group.generators[self.index]
+
+    # ------------------------------------------------------------------ output
+    def append_token(self, token_id: int, eos_token_ids: Seq[int], max_model_len: int) -> None:
+        """Add a sampled token; detokenize it and apply the stop conditions (vLLM order: EOS,
+        stop token ids, length; a stop string found in the new text overrides ``length``)."""
+        params = self.group.params
+        self.output_token_ids.append(int(token_id))
+        stopped_by_token = False
+        if not params.ignore_eos and token_id in eos_token_ids:
+            self.finish_reason, self.stop_reason, stopped_by_token = "stop", None, True
+        elif params.stop_token_ids and token_id in params.stop_token_ids:
+            self.finish_reason, self.stop_reason, stopped_by_token = "stop", int(token_id), True
+        elif (params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens) \
+                or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+        if self.detokenizer is None or stopped_by_token:
+            return                      # a stop token's own text is not part of the output
+        delta = self.detokenizer.add_token(token_id)
+        if self.finish_reason is not None:
+            delta += self.detokenizer.flush()
+        if not delta:
+            return
+        self.text += delta
+        if params.stop:
+            hit = find_stop_string(self.text, params.stop, len(delta))
+            if hit is not None:
+                idx, s = hit
+                self.text = self.text[:idx]
+                self.finish_reason, self.stop_reason = "stop", s
+
+    @property
+    def output_text(self) -> str:
+        """Emitted text: everything once finished, else without a possible stop-string start."""
+        stop = self.group.params.stop
+        if self.finish_reason is not None or not stop:
+            return self.text
+        hold = stop_holdback_len(self.text, stop)
+        return self.text[:len(self.text) - hold] if hold else self.text
+
+    def completion_output(self) -> CompletionOutput:
+        return CompletionOutput(index=self.index, text=self.output_text,
+                                token_ids=list(self.output_token_ids),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+class SequenceGroup:
+    """A request: its prompt, parameters, ``n`` sequences and metrics.
+
+    Args:
+        request_id: caller's id.
+        prompt: prompt text or ``None``.
+        prompt_token_ids: the prompt's token ids (non-empty).
+        params: sampling parameters.
+        tokenizer: for detokenization (``None``: no text).
+        arrival_time: ``time.perf_counter()`` seconds.
+        device: where per-request ``torch.Generator``s live (the logits' device).
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer, arrival_time: float, device: torch.device) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.tokenizer = tokenizer
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.admitted = False
+        self.aborted = False
+        self.seqs: list[Sequence] = []
+        #: completions still to be created by fork once the parent's prompt is computed
+        self.num_pending_forks = params.n - 1
+        self.generators: list[torch.Generator | None] = [None] * params.n
+        if params.seed is not None and not params.is_greedy:
+            for i in range(params.n):
+                g = torch.Generator(device=device)
+                g.manual_seed(_mix_seed(params.seed, i))
+                self.generators[i] = g
+
+    @property
+    def parent(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_pending_forks == 0 and all(s.is_finished for s in self.seqs)
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    def to_output(self) -> RequestOutput:
+        """Snapshot for the caller: ``n`` completions by index (not yet forked ones empty)."""
+        by_index = {s.index: s.completion_output() for s in self.seqs}
+        missing = "abort" if self.aborted else None
+        outs = [by_index.get(i) or CompletionOutput(index=i, text="", token_ids=[],
+                                                    finish_reason=missing)
+                for i in range(self.params.n)]
+        m = self.metrics
+        metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                                 m.last_token_time, m.finished_time, list(m.token_times))
+        # prompt_token_ids is shared, not copied: treat it as read-only
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids, outputs=outs,
+                             finished=self.is_finished, num_cached_tokens=self.num_cached_tokens,
+                             metrics=metrics)

@@ -1,11 +1,8 @@
 """Named model shapes for GPU-free arithmetic (allocator simulation, workload vocabularies).
 
-The numbers are the public configs of the checkpoints (``config.json`` on the Hugging Face hub):
-Llama-3-8B (32 layers, 8 KV heads, head_dim 128, 8192 positions, vocab 128256), Qwen2.5-7B (28 layers,
-4 KV heads, head_dim 128, 32768 positions, vocab 152064), SmolLM2-135M (30 layers, 3 KV heads,
-head_dim 64, 8192 positions, vocab 49152).  ``tiny`` is a test shape.  The engine builds random-weight
-models of the same names through ``vmkv.model.random_model``; when that module is importable its own
-table wins for the engine, and this one serves only the byte arithmetic.
+The single source of the shapes is ``vmkv.model.config.SHAPES`` (the public configs of Llama-3-8B,
+Qwen2.5-7B, SmolLM2-135M, and a ``tiny`` test shape), the same table the engine's random-weight models
+use; this module only exposes the KV-relevant fields and a default KV dtype (bf16, fp32 for ``tiny``).
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vmkv.kvcache import KVCacheSpec
+from vmkv.model.config import SHAPES as _MODEL_SHAPES
 
 __all__ = ["ModelShape", "SHAPES", "get_shape", "parse_dtype"]
 
@@ -58,15 +56,12 @@ class ModelShape:
                            dtype=parse_dtype(dtype or self.dtype), device=device)
 
 
-SHAPES: dict[str, ModelShape] = {
-    s.name: s
-    for s in (
-        ModelShape("llama3-8b", 32, 8, 128, 8192, 128256),
-        ModelShape("qwen2.5-7b", 28, 4, 128, 32768, 152064),
-        ModelShape("smollm2-135m", 30, 3, 64, 8192, 49152),
-        ModelShape("tiny", 2, 2, 16, 1024, 512, dtype="fp32"),
-    )
-}
+def _from_model_config(name: str, cfg) -> ModelShape:
+    return ModelShape(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings,
+                      cfg.vocab_size, dtype="fp32" if name == "tiny" else "bf16")
+
+
+SHAPES: dict[str, ModelShape] = {name: _from_model_config(name, cfg) for name, cfg in _MODEL_SHAPES.items()}
 
 
 def get_shape(name: str) -> ModelShape:

@@ -1,0 +1,310 @@
+"""Reporting for ``vmkv compare`` / ``vmkv bench``: environment, JSON, rich tables, markdown, PNG plots.
+
+BENCHMARKS.md, "Output": a rich table on the terminal, JSON with every raw sample and the environment
+(GPU, driver, CUDA, torch, triton, commit), a markdown summary, PNG plots where a curve says more.
+Plots use matplotlib's Agg backend (no display needed); matplotlib is imported only when plotting.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "environment", "to_jsonable", "write_json", "make_table", "markdown_table", "progress",
+    "fmt_bytes", "fmt_num", "fmt_size", "console", "plot_waste_vs_unit", "plot_latency_cdfs", "plot_throughput_vs_rate",
+    "plot_memory_timeline",
+]
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _gpus() -> list[dict]:
+    """GPUs from ``nvidia-smi`` (no CUDA context is created in this process)."""
+    out = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                "--format=csv,noheader,nounits"])
+    gpus = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3:
+            gpus.append({"name": parts[0], "driver": parts[1], "memory_total_mib": parts[2]})
+    return gpus
+
+
+def environment(argv: Sequence[str] | None = None, seed: int | None = None) -> dict:
+    """The environment a result was measured in: hardware, versions, git commit, command line.
+
+    Never initialises CUDA (GPU facts come from ``nvidia-smi``), so the caller's later memory
+    measurements are unaffected.
+    """
+    import numpy
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a Linux dependency
+        triton_version = None
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT)
+    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO_ROOT))
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "seed": seed,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": triton_version,
+        "numpy": numpy.__version__,
+        "gpus": _gpus(),
+        "git_commit": commit or None,
+        "git_dirty": dirty,
+    }
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses to dicts, tuples to lists, NaN/inf floats to None (strict JSON)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        obj = obj.to_dict() if hasattr(obj, "to_dict") else asdict(obj)
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return to_jsonable(obj.item())
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    if hasattr(obj, "tolist"):
+        return to_jsonable(obj.tolist())
+    return str(obj)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as strict JSON (see :func:`to_jsonable`); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(obj), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------- formatting
+def fmt_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_num(x: float | None, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:,.{digits}f}"
+
+
+def make_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]):
+    """A :class:`rich.table.Table` (numbers right-aligned, first column left)."""
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*[str(c) for c in row])
+    return table
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def console():
+    """A rich console; 160 columns when stdout is not a terminal (logs, CI), so tables do not wrap."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def fmt_size(n: int) -> str:
+    """Compact power-of-two size: ``4K``, ``2M``, ``1.5G``, ``512``."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return str(n)
+
+
+def progress(console=None):
+    """A rich progress bar (spinner, description, bar, done/total, elapsed)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn)
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=False)
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_waste_vs_unit(results: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Waste % vs paged block size (tokens) and vs vmem page size (bytes, one curve per layout).
+
+    Args:
+        results: :meth:`vmkv.compare.alloc_sim.SchemeResult.to_dict` rows.
+    """
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    paged = [r for r in results if r["scheme"] == "paged"]
+    ax1.plot([r["block_size"] for r in paged], [r["waste_pct"] for r in paged], "o-", label="paged")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("block size (tokens)")
+    ax1.set_ylabel("waste (% of allocated KV)")
+    ax1.set_title("paged: waste vs block size")
+    for scheme in sorted({r["scheme"] for r in results if r["scheme"].startswith("vmem")}):
+        rows = [r for r in results if r["scheme"] == scheme]
+        ax2.plot([r["page_size_bytes"] / 1024 for r in rows], [r["waste_pct"] for r in rows], "o-",
+                 label=scheme)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("page size (KiB)")
+    ax2.set_title("vmem: waste vs page size")
+    for r in results:
+        if r["scheme"] == "reservation":
+            for ax in (ax1, ax2):
+                ax.axhline(r["waste_pct"], color="grey", ls="--", label="max-length reservation")
+    for ax in (ax1, ax2):
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_latency_cdfs(series: dict[str, dict[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
+    """Empirical CDFs, one panel per metric.
+
+    Args:
+        series: ``{label: {"TTFT (ms)": [...], "TPOT (ms)": [...], "ITL (ms)": [...], "E2E (ms)": [...]}}``.
+    """
+    import numpy as np
+
+    plt = _pyplot()
+    metrics = list(dict.fromkeys(m for s in series.values() for m in s))
+    fig, axes = plt.subplots(1, max(1, len(metrics)), figsize=(4 * max(1, len(metrics)), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, s in series.items():
+            vals = np.sort(np.asarray([v for v in s.get(metric, []) if v is not None], dtype=float))
+            if vals.size:
+                ax.plot(vals, np.arange(1, vals.size + 1) / vals.size, label=label, lw=1.3)
+        ax.set_xlabel(metric)
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_throughput_vs_rate(points: dict[str, list[tuple[float, float, float]]], path: str | Path,
+                            title: str = "") -> Path:
+    """Output token throughput and mean TTFT vs request rate, one line per backend.
+
+    Args:
+        points: ``{backend: [(request_rate, output_tok_per_s, ttft_p50_ms), ...]}``.
+    """
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, pts in points.items():
+        pts = sorted(pts)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+    ax1.set_ylabel("output tokens / s")
+    ax2.set_ylabel("TTFT p50 (ms)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_memory_timeline(series: dict[str, dict[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
+    """KV bytes allocated and mapped over the run.
+
+    Args:
+        series: ``{label: {"t_s": [...], "allocated_bytes": [...], "mapped_bytes": [...]}}``.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for i, (label, s) in enumerate(series.items()):
+        color = f"C{i}"
+        ax.plot(s["t_s"], [b / (1 << 30) for b in s["allocated_bytes"]], color=color, label=f"{label} allocated")
+        ax.plot(s["t_s"], [b / (1 << 30) for b in s["mapped_bytes"]], color=color, ls="--",
+                label=f"{label} mapped")
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("KV memory (GiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -243,11 +243,10 @@ class PagedKVCache(KVCache):
 
     @property
     def free_tokens(self) -> int:
-        """Tokens a new sequence could get now: free blocks x block_size, capped at
-        max_model_len; 0 when ``max_num_seqs`` sequences are live."""
-        if len(self._seqs) >= self.max_num_seqs:
-            return 0
-        return min(self.pool.num_free_blocks * self.block_size, self.max_model_len)
+        """Tokens of free KV memory: ``num_free_blocks * block_size`` (plain free + evictable
+        cached blocks).  While fewer than ``max_num_seqs`` sequences are live,
+        ``can_allocate(n)`` is true exactly for ``1 <= n <= min(free_tokens, max_model_len)``."""
+        return self.pool.num_free_blocks * self.block_size
 
     def seq_len(self, seq_id: int) -> int:
         return self._get(seq_id).seq_len

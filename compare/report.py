@@ -78,6 +78,8 @@ def environment(argv: Sequence[str] | None = None, seed: int | None = None) -> d
     commit = _run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT)
     dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO_ROOT))
     argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).name in ("vmkv", "cli.py", "__main__.py"):
+        argv[0] = "vmkv"  # `python -m vmkv.cli ...` and the console script are the same command
     return {
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in argv),
@@ -166,12 +168,12 @@ def console():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
-def fmt_size(n: int) -> str:
-    """Compact power-of-two size: ``4K``, ``2M``, ``1.5G``, ``512``."""
+def fmt_size(n: int, digits: int | None = None) -> str:
+    """Compact power-of-1024 size: ``4K``, ``2M``, ``1.5G``, ``512``; ``digits`` fixes the decimals."""
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale:
-            return f"{n / scale:g}{unit}"
-    return str(n)
+            return f"{n / scale:g}{unit}" if digits is None else f"{n / scale:.{digits}f}{unit}"
+    return str(int(n))
 
 
 def progress(console=None):
@@ -295,13 +297,15 @@ def plot_memory_timeline(series: dict[str, dict[str, Sequence[float]]], path: st
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.8))
+    top = max((max(s["mapped_bytes"] + s["allocated_bytes"], default=0) for s in series.values()), default=0)
+    unit, scale = next(((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20)) if top >= k), ("KiB", 1 << 10))
     for i, (label, s) in enumerate(series.items()):
         color = f"C{i}"
-        ax.plot(s["t_s"], [b / (1 << 30) for b in s["allocated_bytes"]], color=color, label=f"{label} allocated")
-        ax.plot(s["t_s"], [b / (1 << 30) for b in s["mapped_bytes"]], color=color, ls="--",
+        ax.plot(s["t_s"], [b / scale for b in s["allocated_bytes"]], color=color, label=f"{label} allocated")
+        ax.plot(s["t_s"], [b / scale for b in s["mapped_bytes"]], color=color, ls="--",
                 label=f"{label} mapped")
     ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("KV memory (GiB)")
+    ax.set_ylabel(f"KV memory ({unit})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     if title:

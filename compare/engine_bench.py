@@ -1,0 +1,230 @@
+"""``vmkv compare engine``: the same engine and seeded workload on both KV backends, head to head.
+
+Every (scenario, backend) pair runs in a fresh ``python -m vmkv.compare.engine_worker`` process so its
+memory is measured from an empty device; scenarios are the offline run (``--request-rate inf``, all
+requests at t=0) and one online run per finite rate (Poisson, or gamma with ``--burstiness``).  A
+rate written ``0.5x`` is a fraction of the offline request throughput of the first backend (measured
+in the same invocation, or read from ``--reference results.json``).  Backends alternate within a
+scenario so drift hits both alike.  Output: rich tables (absolute figures and vmem/paged ratios),
+``results.json`` (environment, arguments, every run's summary), ``raw/<scenario>-<backend>.json``
+(every request's token times and every step's KV sample), ``summary.md`` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vmkv.compare import report
+from vmkv.compare.shapes import SHAPES
+from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_arguments", "run", "parse_rates", "scenario_name"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to compare")
+    g.add_argument("--backends", default="paged,vmem", help="comma-separated KV backends")
+    g.add_argument("--model", default=None, help="checkpoint path (HF dir or .gguf), or a random-weight shape "
+                   f"({', '.join(SHAPES)}); default: the default model (SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    w = p.add_argument_group("workload (seeded; identical on every backend)")
+    w.add_argument("--workload", default="random", choices=WORKLOAD_KINDS)
+    w.add_argument("--num-requests", type=int, default=16)
+    w.add_argument("--input-len", default="128", help="N, A..B (uniform), lognormal:MEDIAN,SIGMA[,MIN,MAX], sharegpt-in")
+    w.add_argument("--output-len", default="64", help="same forms as --input-len (exact: ignore_eos)")
+    w.add_argument("--request-rate", default="inf", help="comma-separated req/s; inf = offline; 0.5x = fraction "
+                   "of the first backend's offline req/s (e.g. inf,0.3x,0.6x,0.9x)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
+    w.add_argument("--shared-prefix-len", type=int, default=0, help="shared-prefix: tokens of each system prompt")
+    w.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
+    w.add_argument("--n", type=int, default=1, help="parallel: samples per request")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--temperature", type=float, default=1.0)
+    w.add_argument("--warmup-requests", type=int, default=2, help="requests run before measuring (JIT, first touch)")
+    w.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft:1000,tpot:100")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the workload's longest prompt + output, rounded up to 256")
+    e.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=None)
+    e.add_argument("--block-size", type=int, default=None, help="paged block size (tokens)")
+    e.add_argument("--page-size", default=None, help="vmem page size (64K, 2M)")
+    e.add_argument("--layout", default=None, choices=["megacache", "per_layer"])
+    e.add_argument("--driver", default=None, choices=["auto", "cuda", "host"])
+    e.add_argument("--no-prefix-caching", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
+    o.add_argument("--reference", default=None, help="results.json whose offline run defines 'x' rates")
+    o.add_argument("--timeout-s", type=float, default=1800, help="per run")
+    o.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads in the workers")
+
+
+def parse_rates(text: str) -> list[str]:
+    """``"inf,2,0.5x"`` -> ``["inf", "2", "0.5x"]`` (validated).  Raises ValueError."""
+    rates = [r.strip().lower() for r in str(text).split(",") if r.strip()]
+    if not rates:
+        raise ValueError("--request-rate needs at least one value (inf for offline)")
+    for r in rates:
+        try:
+            value = float(r[:-1] if r.endswith("x") else r)
+        except ValueError:
+            raise ValueError(f"request rate {r!r} must be a number, inf, or a fraction like 0.5x") from None
+        if not value > 0:
+            raise ValueError(f"request rate must be > 0, got {r!r}")
+    return rates
+
+
+def scenario_name(rate: float) -> str:
+    return "offline" if math.isinf(rate) else f"rate-{rate:g}"
+
+
+def _knobs(args, max_model_len: int) -> dict:
+    from vmkv.compare.alloc_sim import parse_size
+
+    knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+             "max_model_len": max_model_len, "seed": args.seed}
+    if args.model in SHAPES:
+        knobs["random_weights"] = args.model
+    if args.memory_gib is not None:
+        knobs["memory_bytes"] = int(args.memory_gib * (1 << 30))
+    if args.gpu_memory_utilization is not None:
+        knobs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    for name in ("block_size", "layout", "driver"):
+        if getattr(args, name) is not None:
+            knobs[name] = getattr(args, name)
+    if args.page_size is not None:
+        knobs["page_size_bytes"] = parse_size(args.page_size)
+    if args.no_prefix_caching:
+        knobs["enable_prefix_caching"] = False
+    return knobs
+
+
+def _spec(args, rate: float) -> WorkloadSpec:
+    return WorkloadSpec(kind=args.workload, num_requests=args.num_requests, input_len=args.input_len,
+                        output_len=args.output_len, request_rate=rate, burstiness=args.burstiness,
+                        shared_prefix_len=args.shared_prefix_len, num_prefixes=args.num_prefixes, n=args.n,
+                        seed=args.seed)
+
+
+def _default_max_model_len(spec: WorkloadSpec) -> int:
+    # lengths do not depend on the vocabulary (separate random streams), so any vocab gives them
+    reqs = generate(spec, 1000)
+    longest = max(r.prompt_len + r.output_len for r in reqs)
+    return int(math.ceil((longest + 1) / 256) * 256)
+
+
+def _run_worker(cfg: dict, out_dir: Path, prog, task, timeout_s: float, threads: int | None) -> dict:
+    name = f"{cfg['scenario']}-{cfg['backend']}"
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    if (raw / f"{name}.json").exists():  # the same backend listed twice (an A/A check)
+        name += f"-{sum(1 for _ in raw.glob(name + '*.config.json'))}"
+    cfg_path, res_path, log_path = raw / f"{name}.config.json", raw / f"{name}.json", raw / f"{name}.log"
+    report.write_json(cfg_path, cfg)
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "vmkv.compare.engine_worker", str(cfg_path), str(res_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        try:
+            for line in proc.stdout:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if ev.get("event") == "loaded":
+                    prog.update(task, total=ev["total"], completed=0,
+                                description=f"{name} (loaded in {ev['load_s']:.1f}s)")
+                elif ev.get("event") == "progress":
+                    prog.update(task, completed=ev["done"])
+                if time.perf_counter() - t0 > timeout_s:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+            proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return {"backend": cfg["backend"], "scenario": cfg["scenario"], "error": f"timed out after {timeout_s} s"}
+    if proc.returncode != 0 or not res_path.exists():
+        tail = log_path.read_text().strip().splitlines()[-15:]
+        return {"backend": cfg["backend"], "scenario": cfg["scenario"],
+                "error": f"worker exited with {proc.returncode}: " + "\n".join(tail)}
+    result = json.loads(res_path.read_text())
+    result["raw_file"] = str(res_path.relative_to(out_dir))
+    return result
+
+
+def _reference_rate(path: str | None, runs: list[dict], backend: str) -> float | None:
+    pool = runs
+    if path:
+        pool = json.loads(Path(path).read_text())["runs"]
+    for r in pool:
+        if r.get("scenario") == "offline" and r.get("backend") == backend and "serving" in r:
+            return r["serving"]["request_throughput"]
+    return None
+
+
+def run(args) -> int:
+    from vmkv.compare import engine_report
+
+    console = report.console()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    try:
+        rates = parse_rates(args.request_rate)
+        base_spec = _spec(args, math.inf)
+        for text in (args.input_len, args.output_len):
+            LengthDist.parse(text)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    # offline first: relative rates need its throughput
+    rates.sort(key=lambda r: (r != "inf", r.endswith("x")))
+    max_model_len = args.max_model_len or _default_max_model_len(base_spec)
+    out_dir = Path(args.out or f"vmkv-results/engine-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = report.environment(seed=args.seed)
+    runs: list[dict] = []
+    with report.progress(console) as prog:
+        for rate_text in rates:
+            if rate_text.endswith("x"):
+                ref = _reference_rate(args.reference, runs, backends[0])
+                if ref is None:
+                    console.print(f"[red]error:[/red] rate {rate_text} needs an offline run of {backends[0]} "
+                                  "(add inf to --request-rate or pass --reference results.json)")
+                    return 2
+                rate = float(rate_text[:-1]) * ref
+            else:
+                rate = float(rate_text)
+            spec = _spec(args, rate)
+            for backend in backends:
+                cfg = {"backend": backend, "scenario": scenario_name(rate), "rate_spec": rate_text,
+                       "model": None if args.model in SHAPES else args.model, "device": args.device,
+                       "dtype": args.dtype, "knobs": _knobs(args, max_model_len), "workload": spec.to_dict(),
+                       "warmup_requests": args.warmup_requests, "temperature": args.temperature,
+                       "slo": args.slo, "torch_threads": args.torch_threads}
+                task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)
+                res = _run_worker(cfg, out_dir, prog, task, args.timeout_s, args.torch_threads)
+                res["rate_spec"] = rate_text
+                runs.append(res)
+                if "error" in res:
+                    console.print(f"[red]{cfg['scenario']}-{backend} failed:[/red] {res['error']}")
+    summary_runs = [{k: v for k, v in r.items() if k != "raw"} for r in runs]
+    results = {"kind": "engine", "environment": env, "args": vars(args), "max_model_len": max_model_len,
+               "workload": base_spec.to_dict(), "runs": summary_runs}
+    report.write_json(out_dir / "results.json", results)
+    engine_report.render(results, runs, out_dir, console)
+    return 1 if any("error" in r for r in runs) else 0

@@ -1,0 +1,280 @@
+"""One engine run in a fresh process: ``python -m vmkv.compare.engine_worker CONFIG.json OUT.json``.
+
+:mod:`vmkv.compare.engine_bench` starts one worker per (backend, scenario), so every run begins with
+an empty device and its memory is measured cleanly.  The worker builds the engine, regenerates the
+seeded workload (identical on every backend: the result carries its fingerprint), warms up, then
+drives the engine:
+
+- offline: every request arrives at t=0 (``ignore_eos``, so output lengths are exact);
+- online: requests are added when the wall clock reaches their (Poisson/gamma) arrival time, with
+  that arrival time, so TTFT includes queueing.
+
+After every step it samples the KV cache's :class:`~vmkv.kvcache.CacheUsage` and the engine's stats.
+Progress goes to stdout as JSON lines (``{"event": "progress", "done": k, "total": n}``); logs go to
+stderr; the result (summary plus every raw sample) is written to ``OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import Counter, deque
+
+import numpy as np
+
+from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics, summarize
+from vmkv.compare.report import write_json
+from vmkv.compare.workloads import Request, WorkloadSpec, fingerprint, generate
+
+logger = logging.getLogger(__name__)
+
+#: columns sampled after every step (``steps`` in the raw output)
+STEP_COLUMNS = ("t_s", "step_s", "alloc_s", "num_running", "num_waiting", "num_seqs", "used_tokens",
+                "allocated_bytes", "mapped_bytes", "waste_bytes", "free_tokens", "device_used_bytes")
+
+
+def _emit(event: dict) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+class _Sampler:
+    """Per-step samples of the cache and engine (columnar lists)."""
+
+    def __init__(self, engine, start: float, alloc_s0: float, cuda_device) -> None:
+        self.engine, self.start, self.prev_alloc_s, self.cuda_device = engine, start, alloc_s0, cuda_device
+        self.cols = {c: [] for c in STEP_COLUMNS}
+        self.overhead_s = 0.0
+        self.max_running = 0
+
+    def sample(self) -> None:
+        t0 = time.perf_counter()
+        st = self.engine.get_stats()
+        u = st.kv_usage
+        row = (t0 - self.start, st.last_step_time_s, st.alloc_time_s_total - self.prev_alloc_s, st.num_running,
+               st.num_waiting, u.num_seqs, u.used_tokens, u.allocated_bytes, u.mapped_bytes, u.waste_bytes,
+               u.free_tokens, self._device_used())
+        self.prev_alloc_s = st.alloc_time_s_total
+        self.max_running = max(self.max_running, st.num_running)
+        for c, v in zip(STEP_COLUMNS, row):
+            self.cols[c].append(v)
+        self.overhead_s += time.perf_counter() - t0
+
+    def _device_used(self) -> int:
+        if self.cuda_device is None:
+            return 0
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.cuda_device)
+        return int(total - free)
+
+
+def _params(req: Request, temperature: float):
+    from vmkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(n=req.n, temperature=temperature, top_p=1.0, max_tokens=req.output_len,
+                          ignore_eos=True)
+
+
+def _record(out, req: Request) -> RequestRecord:
+    m = out.metrics
+    lens = [len(o.token_ids) for o in out.outputs]
+    reasons = [o.finish_reason for o in out.outputs]
+    ok = all(r in ("length", "stop") for r in reasons)
+    return RequestRecord(
+        request_id=out.request_id, prompt_len=len(out.prompt_token_ids), output_len=max(lens, default=0),
+        arrival_time=m.arrival_time, first_token_time=m.first_token_time,
+        finish_time=m.last_token_time if m.last_token_time is not None else m.finished_time,
+        token_times=list(m.token_times), num_output_tokens=sum(lens), success=ok,
+        error="" if ok else f"finish reasons {reasons}")
+
+
+def _drive(engine, requests: list[Request], temperature: float, online: bool, sampler: _Sampler | None,
+           on_finish=None) -> tuple[dict, float, float]:
+    """Run ``requests`` to completion.  Returns ``({request_id: RequestOutput}, start, end)``."""
+    by_id = {r.request_id: r for r in requests}
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    finished: dict = {}
+    start = time.perf_counter()
+    if sampler is not None:
+        sampler.start = start
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while pending and (not online or pending[0].arrival_s <= now - start):
+            r = pending.popleft()
+            engine.add_request(r.request_id, None, _params(r, temperature), prompt_token_ids=r.prompt_token_ids,
+                               arrival_time=start + r.arrival_s if online else start)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.05, pending[0].arrival_s - (time.perf_counter() - start))))
+            continue
+        for out in engine.step():
+            if out.finished and out.request_id in by_id:
+                finished[out.request_id] = out
+                if on_finish:
+                    on_finish(len(finished))
+        if sampler is not None:
+            sampler.sample()
+    return finished, start, time.perf_counter()
+
+
+def _vmm_stats(kv_cache) -> dict | None:
+    fn = getattr(kv_cache, "vmm_stats", None)
+    if not callable(fn):
+        return None
+    stats = fn()
+    return stats if isinstance(stats, dict) else {"value": stats}
+
+
+def run_worker(cfg: dict, progress=_emit) -> dict:
+    """Run one (backend, scenario) as described in the module docstring; returns the result dict."""
+    import torch
+
+    from vmkv.engine.llm_engine import LLMEngine
+
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg["torch_threads"]))
+    t_load = time.perf_counter()
+    engine = LLMEngine.from_args(model=cfg.get("model"), kv_backend=cfg["backend"], device=cfg.get("device"),
+                                 dtype=cfg.get("dtype"), **cfg.get("knobs", {}))
+    load_s = time.perf_counter() - t_load
+    device = engine.device
+    cuda_device = device if device.type == "cuda" else None
+    spec = WorkloadSpec.from_dict(cfg["workload"])
+    requests = generate(spec, engine.model_config.vocab_size)
+    temperature = float(cfg.get("temperature", 1.0))
+    progress({"event": "loaded", "load_s": load_s, "total": len(requests)})
+
+    # warm-up (JIT compilation, allocator first touches) on different random tokens
+    t_warm = time.perf_counter()
+    num_warm = int(cfg.get("warmup_requests", 2))
+    if num_warm:
+        max_prompt = min(max(r.prompt_len for r in requests), engine.max_model_len - 9,
+                         int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048)))
+        warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
+                            output_len="8", seed=spec.seed + 7919)
+        wreqs = generate(warm, engine.model_config.vocab_size)
+        for r in wreqs:
+            r.request_id = "warmup-" + r.request_id
+        _drive(engine, wreqs, temperature, online=False, sampler=None)
+    warmup_s = time.perf_counter() - t_warm
+    if cuda_device is not None:
+        torch.cuda.synchronize(cuda_device)
+        torch.cuda.reset_peak_memory_stats(cuda_device)
+
+    st0 = engine.get_stats()
+    vmm0 = _vmm_stats(engine.kv_cache)
+    fwd0 = getattr(engine.runner, "forward_time_s_total", 0.0)
+    sampler = _Sampler(engine, time.perf_counter(), st0.alloc_time_s_total, cuda_device)
+    last = [0.0]
+
+    def on_finish(done: int) -> None:
+        now = time.perf_counter()
+        if done == len(requests) or now - last[0] > 0.2:
+            last[0] = now
+            progress({"event": "progress", "done": done, "total": len(requests)})
+
+    outputs, start, end = _drive(engine, requests, temperature, online=not spec.is_offline, sampler=sampler,
+                                 on_finish=on_finish)
+    st1 = engine.get_stats()
+    vmm1 = _vmm_stats(engine.kv_cache)
+    by_id = {r.request_id: r for r in requests}
+    records = [_record(outputs[r.request_id], r) for r in requests]
+    mismatches = sum(1 for rec in records if rec.output_len != by_id[rec.request_id].output_len)
+    reasons = Counter(o.finish_reason for out in outputs.values() for o in out.outputs)
+    serving = compute_serving_metrics(records, end - start, SLO.parse(cfg.get("slo")))
+
+    cols = sampler.cols
+    alloc = np.asarray(cols["allocated_bytes"], dtype=np.float64)
+    waste = np.asarray(cols["waste_bytes"], dtype=np.float64)
+    used = np.asarray(cols["used_tokens"], dtype=np.float64)
+    i_peak = int(alloc.argmax()) if alloc.size else 0
+    u1 = st1.kv_usage
+    u0 = st0.kv_usage
+    q = u1.prefix_query_tokens - u0.prefix_query_tokens
+    step_s = st1.step_time_s_total - st0.step_time_s_total
+    alloc_s = st1.alloc_time_s_total - st0.alloc_time_s_total
+    num_steps = st1.num_steps - st0.num_steps
+    memory = {
+        "capacity_bytes": u1.capacity_bytes,
+        "reserved_bytes": u1.reserved_bytes,
+        "peak_allocated_bytes": int(alloc.max()) if alloc.size else 0,
+        "peak_mapped_bytes": int(max(cols["mapped_bytes"], default=0)),
+        "mapped_bytes_after_warmup": u0.mapped_bytes,
+        "peak_used_tokens": int(used.max()) if used.size else 0,
+        "waste_pct_mean": float(100 * waste.sum() / alloc.sum()) if alloc.sum() else 0.0,
+        "waste_pct_at_peak": float(100 * waste[i_peak] / alloc[i_peak]) if alloc.size and alloc[i_peak] else 0.0,
+        "bytes_per_used_token_at_peak": float(alloc[i_peak] / used[i_peak]) if used.size and used[i_peak] else 0.0,
+        "max_concurrent_seqs": int(max(cols["num_seqs"], default=0)),
+        "max_running_requests": sampler.max_running,
+        "preemptions": st1.num_preempted_total - st0.num_preempted_total,
+        "prefix_hit_rate": (u1.prefix_hit_tokens - u0.prefix_hit_tokens) / q if q else 0.0,
+        "cow_copies": u1.num_cow_copies - u0.num_cow_copies,
+        "unit_tokens": u1.unit_tokens,
+        "device_used_bytes_peak": int(max(cols["device_used_bytes"], default=0)),
+        "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
+    }
+    alloc_steps = np.asarray(cols["alloc_s"], dtype=np.float64) * 1e6
+    allocation = {
+        "alloc_time_s": alloc_s,
+        "step_time_s": step_s,
+        "alloc_share_pct": 100 * alloc_s / step_s if step_s else 0.0,
+        "alloc_us_per_step": summarize(alloc_steps),
+        "forward_time_s": getattr(engine.runner, "forward_time_s_total", 0.0) - fwd0,
+        "vmm_before": vmm0,
+        "vmm_after": vmm1,
+    }
+    timing = {"load_s": load_s, "warmup_s": warmup_s, "run_s": end - start, "num_steps": num_steps,
+              "step_ms": summarize(cols["step_s"], 1e3), "sample_overhead_s": sampler.overhead_s}
+    mc = engine.model_config
+    result = {
+        "backend": cfg["backend"],
+        "scenario": cfg["scenario"],
+        "model": {"name": engine.model_name, "kind": "random-weights" if cfg.get("knobs", {}).get("random_weights")
+                  else ("checkpoint" if cfg.get("model") else "default"), "source": cfg.get("model") or
+                  cfg.get("knobs", {}).get("random_weights"), "num_layers": mc.num_layers,
+                  "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size},
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(cuda_device) if cuda_device else "cpu",
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_bytes_per_token": engine.kv_cache.spec.bytes_per_token,
+        "max_model_len": engine.max_model_len,
+        "config": cfg,
+        "workload_fingerprint": fingerprint(requests),
+        "serving": serving,
+        "memory": memory,
+        "allocation": allocation,
+        "timing": timing,
+        "output_len_mismatches": mismatches,
+        "finish_reasons": dict(reasons),
+        "raw": {"requests": [_raw_record(rec, start, by_id[rec.request_id]) for rec in records], "steps": cols},
+    }
+    engine.close()
+    return result
+
+
+def _raw_record(rec: RequestRecord, start: float, req: Request) -> dict:
+    """A record with times relative to the run start, rounded to 1 us."""
+    rel = (lambda t: None if t is None else round(t - start, 6))
+    return {"id": rec.request_id, "prompt_len": rec.prompt_len, "output_len": rec.output_len,
+            "target_output_len": req.output_len, "num_output_tokens": rec.num_output_tokens,
+            "arrival_s": rel(rec.arrival_time), "first_token_s": rel(rec.first_token_time),
+            "finish_s": rel(rec.finish_time), "token_times_s": [rel(t) for t in rec.token_times],
+            "success": rec.success, "error": rec.error}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        sys.stderr.write("usage: python -m vmkv.compare.engine_worker CONFIG.json OUT.json\n")
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    write_json(argv[1], run_worker(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) whose attention runs through a KVCache.
+
+Architecture (Touvron et al. 2023, "Llama 2", sec. 2.2; Grattafiori et al. 2024, "The Llama 3 Herd of
+Models"): pre-norm decoder layers with RMSNorm (Zhang & Sennrich 2019), rotary position embeddings
+(Su et al. 2021, RoFormer, in the "rotate half" form of GPT-NeoX / Hugging Face), grouped-query attention
+(Ainslie et al. 2023, GQA) and a SwiGLU MLP (Shazeer 2020).  Weights use fused projections: ``qkv_proj``
+(``[q_size + 2 * kv_size, hidden]``) and ``gate_up_proj`` (``[2 * intermediate, hidden]``);
+:meth:`LlamaForCausalLM.load_weights` takes Hugging Face tensor names and fills the fused shards.
+
+Per step, the engine calls ``kv_cache.prepare`` once; every layer then calls
+``kv_cache.write_kv(layer, k, v, meta)`` and ``kv_cache.attention(layer, q, meta)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vmkv.kvcache.base import AttentionMetadata, KVCache
+from vmkv.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LlamaForCausalLM", "rope_inv_freq", "apply_rope", "rms_norm"]
+
+
+def _param(*shape: int, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, as Hugging Face Llama does.
+
+    Args:
+        x: ``[num_tokens, hidden]`` in the model dtype.
+        weight: ``[hidden]``.
+    Returns:
+        ``[num_tokens, hidden]`` in ``x.dtype``: ``weight * (x / rms(x))``.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``float32 [head_dim // 2]``: ``theta ** (-2i / head_dim)``, with
+    linear scaling (divide by ``factor``) or Llama-3 scaling (Llama 3 paper sec. 3.3.1 / Meta's
+    reference ``apply_scaling``: wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are divided by ``factor``, shorter than ``.../high_freq_factor`` kept, smooth
+    interpolation between)."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    rope = config.rope_scaling
+    if rope is None or rope["rope_type"] == "llama3_freq_factors":
+        return inv_freq
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [num_tokens, heads, head_dim]`` by ``cos, sin: [num_tokens, head_dim]``
+    (rotate-half form: dims ``i`` and ``i + head_dim/2`` form a pair)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention of one layer; K/V stored in and read from the KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        h = config.hidden_size
+        self.qkv_proj = nn.Module()
+        self.qkv_proj.weight = _param(self.q_size + 2 * self.kv_size, h, device=device, dtype=dtype)
+        self.qkv_proj.bias = (_param(self.q_size + 2 * self.kv_size, device=device, dtype=dtype)
+                              if config.qkv_bias else None)
+        self.o_proj = nn.Module()
+        self.o_proj.weight = _param(h, self.q_size, device=device, dtype=dtype)
+        self.o_proj.bias = _param(h, device=device, dtype=dtype) if config.o_proj_bias else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this step's K/V."""
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
+        kv_cache.write_kv(self.layer_idx, k, v, meta)
+        out = kv_cache.attention(self.layer_idx, q, meta, scale=self.scale)
+        return F.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: ModelConfig, *, device, dtype) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.intermediate_size = i
+        self.gate_up_proj = nn.Module()
+        self.gate_up_proj.weight = _param(2 * i, h, device=device, dtype=dtype)
+        self.gate_up_proj.bias = _param(2 * i, device=device, dtype=dtype) if config.mlp_bias else None
+        self.down_proj = nn.Module()
+        self.down_proj.weight = _param(h, i, device=device, dtype=dtype)
+        self.down_proj.bias = _param(h, device=device, dtype=dtype) if config.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = _param(config.hidden_size, device=device, dtype=dtype)
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = _param(config.hidden_size, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, device=device, dtype=dtype)
+        self.mlp = LlamaMLP(config, device=device, dtype=dtype)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin,
+                               kv_cache, meta)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+
+# Hugging Face name -> (our parameter, shard index in the fused tensor or None)
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+          "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+_PLAIN = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a :class:`~vmkv.kvcache.base.KVCache`.
+
+    Args:
+        config: the model shape.
+        device: where parameters live; ``dtype``: their dtype (bf16 on CUDA, float32 on CPU usual).
+    Parameters are created uninitialized; fill them with :meth:`load_weights` or
+    :meth:`init_random_`.
+    """
+
+    def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        device = torch.device(device)
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, device=device, dtype=dtype)
+                                    for i in range(config.num_layers))
+        self.norm = nn.Module()
+        self.norm.weight = _param(config.hidden_size, device=device, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(config, device), persistent=False)
+        self._loaded: set[tuple[str, int | None]] = set()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """Run every layer over the step's tokens; writes their K/V into ``kv_cache``.
+
+        Args:
+            input_ids: ``int64 [num_tokens]``, token ids in ``meta``'s token order.
+            positions: ``int64 [num_tokens]``, position of each token in its sequence.
+            kv_cache: the cache ``meta`` was prepared by (``kv_cache.prepare(batch)``).
+            meta: this step's :class:`AttentionMetadata`.
+        Returns:
+            ``[num_tokens, hidden_size]`` final-norm hidden states in the model dtype.
+        Raises:
+            ValueError: shapes of ``input_ids``, ``positions`` and ``meta`` disagree.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be [num_tokens], got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, metadata has {meta.num_tokens}")
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [n, hidden_size]`` -> ``float32 [n, vocab_size]`` logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One engine step (prefill chunks and decode tokens of several sequences together).
+
+        Args: as :meth:`forward_hidden`.
+        Returns:
+            ``float32 [num_seqs, vocab_size]``: logits at each sequence's last new token
+            (``meta.last_token_indices``); the LM head runs only on those rows.
+        """
+        hidden = self.forward_hidden(input_ids, positions, kv_cache, meta)
+        return self.compute_logits(hidden[meta.last_token_indices])
+
+    # ------------------------------------------------------------------ weights
+    def _target(self, hf_name: str, params: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, str, int | None]:
+        """Map a Hugging Face tensor name to ``(our parameter, its name, fused shard index)``."""
+        top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
+               "lm_head.weight": "lm_head.weight"}
+        if hf_name in top:
+            name, shard = top[hf_name], None
+        else:
+            m = _LAYER_RE.match(hf_name)
+            if m is None or int(m.group(1)) >= self.config.num_layers:
+                raise ValueError(f"unexpected tensor {hf_name!r} for a {self.config.num_layers}-layer "
+                                 f"{self.config.architecture} model")
+            idx, module, kind = m.groups()
+            if module in _FUSED:
+                module, shard = _FUSED[module]
+            elif module in _PLAIN:
+                shard = None
+            else:
+                raise ValueError(f"unexpected tensor {hf_name!r} (module {module!r} is not part of a "
+                                 f"Llama-family layer)")
+            name = f"layers.{idx}.{module}.{kind}"
+        if name not in params:
+            raise ValueError(f"tensor {hf_name!r} has no place in this model (config: qkv_bias="
+                             f"{self.config.qkv_bias}, o_proj_bias={self.config.o_proj_bias}, "
+                             f"mlp_bias={self.config.mlp_bias}, tied={self.config.tie_word_embeddings})")
+        return params[name], name, shard
+
+    def _shard_rows(self, name: str, shard: int | None, total: int) -> tuple[int, int]:
+        if shard is None:
+            return 0, total
+        if "qkv_proj" in name:
+            sizes = [self.config.q_size, self.config.kv_size, self.config.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return start, start + sizes[shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the
+        model, casting to its dtype and device.  ``lm_head.weight`` is ignored when embeddings are
+        tied; ``rotary_emb.inv_freq`` buffers of old checkpoints are ignored.
+
+        Raises:
+            ValueError: an unknown tensor name or a shape mismatch (names both shapes).
+        """
+        params = dict(self.named_parameters())
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue
+            param, name, shard = self._target(hf_name, params)
+            start, end = self._shard_rows(name, shard, param.shape[0])
+            expected = (end - start, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{expected} for this config")
+            param[start:end].copy_(tensor.to(device=param.device, dtype=param.dtype))
+            self._loaded.add((name, shard))
+
+    def missing_weights(self) -> list[str]:
+        """Parameters (or fused shards) not yet filled by :meth:`load_weights`."""
+        missing = []
+        for name, _ in self.named_parameters():
+            shards = [None] if not ("qkv_proj" in name or "gate_up_proj" in name) else (
+                [0, 1, 2] if "qkv_proj" in name else [0, 1])
+            missing += [f"{name}[{s}]" if s is not None else name
+                        for s in shards if (name, s) not in self._loaded]
+        return missing
+
+    def set_rope_freq_factors(self, factors: torch.Tensor) -> None:
+        """Divide the RoPE inverse frequencies by ``factors: float32 [head_dim // 2]`` (llama.cpp's
+        ``rope_freqs`` tensor, the form in which GGUF files store Llama-3 rope scaling)."""
+        if tuple(factors.shape) != tuple(self.inv_freq.shape):
+            raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
+                             f"{tuple(self.inv_freq.shape)}")
+        self.inv_freq = rope_inv_freq(self.config, self.device) / factors.to(self.device, torch.float32)
+
+    @torch.no_grad()
+    def init_random_(self, seed: int = 0) -> None:
+        """Fill every parameter with seeded random values that keep activations finite in bf16
+        for deep models: linear weights ``N(0, 1/fan_in)``, output projections (``o_proj``,
+        ``down_proj``) further scaled by ``1/sqrt(2 * num_layers)`` (GPT-2's residual scaling),
+        embeddings ``N(0, 0.02^2)`` (the usual ``initializer_range``), norms 1, biases small."""
+        gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        depth_scale = (2 * self.config.num_layers) ** -0.5
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.02, generator=gen)
+            elif name == "embed_tokens.weight":
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                std = p.shape[1] ** -0.5
+                if "o_proj" in name or "down_proj" in name:
+                    std *= depth_scale
+                p.normal_(0.0, std, generator=gen)
+            self._loaded.update((name, s) for s in (None, 0, 1, 2))

@@ -1,0 +1,202 @@
+"""Where K/V of each (slot, position, layer) lives in the virtual reservations, and which pages back it.
+
+Two layouts (DESIGN.md, "vmem backend / Layouts"):
+
+* :class:`MegacacheLayout` (default): one reservation ``[max_num_seqs][slot_stride]``; a slot row is
+  ``[max_model_len][num_layers][2][H][D]``, so one page covers all layers of a token range and a
+  token-range boundary costs one map.  Per-layer K and V are strided views.
+* :class:`PerLayerLayout` (vAttention's original, Prabhu et al., ASPLOS'25, section 5.1):
+  ``2 * num_layers`` reservations ``[max_num_seqs, padded_len, H, D]``, each slot row truly
+  contiguous per layer; a token-range boundary costs ``2 * num_layers`` maps.
+
+In both, a slot row is rounded up to a whole number of pages (``slot_stride_bytes``) so pages never
+straddle slots.  A **unit** is the group of pages at one page index of a slot row, one per
+reservation (``pages_per_unit`` = 1 or ``2 * num_layers``): units are what grows a sequence.
+"""
+
+from __future__ import annotations
+
+import abc
+from fractions import Fraction
+
+import torch
+
+from vmkv.kvcache.base import KVCacheSpec
+
+__all__ = ["VMemLayout", "MegacacheLayout", "PerLayerLayout", "LAYOUTS", "make_layout"]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class VMemLayout(abc.ABC):
+    """Byte arithmetic of one vmem layout.
+
+    Args:
+        spec: KV shape and dtype.
+        max_num_seqs: slots.
+        max_model_len: positions per slot.
+        page_size_bytes: physical page size (a multiple of the element size).
+    """
+
+    name = ""
+
+    def __init__(self, spec: KVCacheSpec, max_num_seqs: int, max_model_len: int,
+                 page_size_bytes: int) -> None:
+        if page_size_bytes <= 0 or page_size_bytes % spec.dtype_bytes:
+            raise ValueError(f"page_size_bytes must be a positive multiple of the element size "
+                             f"{spec.dtype_bytes}, got {page_size_bytes}")
+        self.spec = spec
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_model_len = int(max_model_len)
+        self.page_size_bytes = int(page_size_bytes)
+        self.row_token_bytes = self.token_bytes_in_row(spec)
+        self.slot_stride_bytes = _round_up(self.max_model_len * self.row_token_bytes, self.page_size_bytes)
+        self.pages_per_slot = self.slot_stride_bytes // self.page_size_bytes
+        self.reservation_bytes = self.max_num_seqs * self.slot_stride_bytes
+
+    # ------------------------------------------------------------------ per layout
+    num_reservations: int = 1
+
+    @staticmethod
+    @abc.abstractmethod
+    def token_bytes_in_row(spec: KVCacheSpec) -> int:
+        """Bytes one token occupies in one reservation's slot row."""
+
+    @abc.abstractmethod
+    def reservations_for_layer(self, layer: int) -> tuple[int, ...]:
+        """Reservations holding ``layer``'s K and V."""
+
+    @abc.abstractmethod
+    def kv_views(self, bases: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V views ``[max_num_seqs, max_model_len, H, D]`` of ``spec.dtype``.
+
+        Args:
+            bases: one uint8 ``[reservation_bytes]`` tensor per reservation.
+        """
+
+    # ------------------------------------------------------------------ shared arithmetic
+    @property
+    def pages_per_unit(self) -> int:
+        """Physical pages mapped per token-range boundary (one per reservation)."""
+        return self.num_reservations
+
+    @property
+    def tokens_per_page(self) -> Fraction:
+        """Tokens (of every layer) one unit holds; may be fractional."""
+        return Fraction(self.page_size_bytes, self.row_token_bytes)
+
+    @property
+    def unit_tokens(self) -> int:
+        """Tokens per unit if integral, else 0 (prefix caching needs whole tokens per page)."""
+        tpp = self.tokens_per_page
+        return int(tpp) if tpp.denominator == 1 else 0
+
+    @property
+    def bytes_per_unit(self) -> int:
+        return self.page_size_bytes * self.pages_per_unit
+
+    def num_units(self, num_tokens: int) -> int:
+        """Units that must be mapped to back positions ``[0, num_tokens)`` of a slot."""
+        return -(-int(num_tokens) * self.row_token_bytes // self.page_size_bytes)
+
+    def units_overlapping(self, start: int, end: int) -> range:
+        """Units holding any byte of positions ``[start, end)``."""
+        if end <= start:
+            return range(0)
+        first = start * self.row_token_bytes // self.page_size_bytes
+        last = (end * self.row_token_bytes - 1) // self.page_size_bytes
+        return range(first, last + 1)
+
+    def max_tokens_for_units(self, num_units: int) -> int:
+        """Most positions ``num_units`` leading units back (capped at ``max_model_len``)."""
+        return min(self.max_model_len, num_units * self.page_size_bytes // self.row_token_bytes)
+
+    def unit_offset(self, slot: int, unit: int) -> int:
+        """Byte offset of ``unit`` of ``slot`` inside every reservation."""
+        return slot * self.slot_stride_bytes + unit * self.page_size_bytes
+
+    def unit_pages(self, slot: int, unit: int) -> list[tuple[int, int]]:
+        """``(reservation, page index in reservation)`` of each page of one unit."""
+        index = slot * self.pages_per_slot + unit
+        return [(r, index) for r in range(self.num_reservations)]
+
+    def pages_for(self, slot: int, num_tokens: int) -> list[tuple[int, int]]:
+        """``(reservation, page index)`` pairs that must be mapped for positions ``[0, num_tokens)``."""
+        return [p for u in range(self.num_units(num_tokens)) for p in self.unit_pages(slot, u)]
+
+    def unit_used_bytes(self, num_tokens: int, unit: int) -> int:
+        """Bytes of each page of ``unit`` holding positions ``< num_tokens``."""
+        used = num_tokens * self.row_token_bytes - unit * self.page_size_bytes
+        return max(0, min(self.page_size_bytes, used))
+
+    def _typed(self, base: torch.Tensor) -> torch.Tensor:
+        return base.view(self.spec.dtype)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_reservations} reservation(s) x {self.reservation_bytes} B, "
+                f"slot stride {self.slot_stride_bytes} B = {self.pages_per_slot} pages of "
+                f"{self.page_size_bytes} B, {float(self.tokens_per_page):g} tokens/page")
+
+
+class MegacacheLayout(VMemLayout):
+    """One reservation; slot row ``[max_model_len][num_layers][2][H][D]`` (token-major)."""
+
+    name = "megacache"
+    num_reservations = 1
+
+    @staticmethod
+    def token_bytes_in_row(spec: KVCacheSpec) -> int:
+        return spec.bytes_per_token
+
+    def reservations_for_layer(self, layer: int) -> tuple[int, ...]:
+        return (0,)
+
+    def kv_views(self, bases):
+        s = self.spec
+        flat = self._typed(bases[0])
+        head_el = s.num_kv_heads * s.head_dim
+        size = (self.max_num_seqs, self.max_model_len, s.num_kv_heads, s.head_dim)
+        stride = (self.slot_stride_bytes // s.dtype_bytes, s.num_layers * 2 * head_el, s.head_dim, 1)
+        keys = [flat.as_strided(size, stride, (2 * layer) * head_el) for layer in range(s.num_layers)]
+        values = [flat.as_strided(size, stride, (2 * layer + 1) * head_el) for layer in range(s.num_layers)]
+        return keys, values
+
+
+class PerLayerLayout(VMemLayout):
+    """``2 * num_layers`` reservations (K of layer l is reservation ``2l``, V is ``2l + 1``),
+    each ``[max_num_seqs][padded row of max_model_len x H x D]``."""
+
+    name = "per_layer"
+
+    def __init__(self, spec, max_num_seqs, max_model_len, page_size_bytes) -> None:
+        self.num_reservations = 2 * spec.num_layers
+        super().__init__(spec, max_num_seqs, max_model_len, page_size_bytes)
+
+    @staticmethod
+    def token_bytes_in_row(spec: KVCacheSpec) -> int:
+        return spec.num_kv_heads * spec.head_bytes
+
+    def reservations_for_layer(self, layer: int) -> tuple[int, ...]:
+        return (2 * layer, 2 * layer + 1)
+
+    def kv_views(self, bases):
+        s = self.spec
+        size = (self.max_num_seqs, self.max_model_len, s.num_kv_heads, s.head_dim)
+        stride = (self.slot_stride_bytes // s.dtype_bytes, s.num_kv_heads * s.head_dim, s.head_dim, 1)
+        views = [self._typed(b).as_strided(size, stride, 0) for b in bases]
+        return views[0::2], views[1::2]
+
+
+LAYOUTS = {"megacache": MegacacheLayout, "per_layer": PerLayerLayout}
+
+
+def make_layout(name: str, spec: KVCacheSpec, max_num_seqs: int, max_model_len: int,
+                page_size_bytes: int) -> VMemLayout:
+    """Build a layout by name (``"megacache"`` or ``"per_layer"``); ValueError for another name."""
+    try:
+        cls = LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown vmem layout {name!r}; choose one of {list(LAYOUTS)}") from None
+    return cls(spec, max_num_seqs, max_model_len, page_size_bytes)

@@ -1,0 +1,485 @@
+"""Slot mapper: which physical page is mapped at each (slot, unit, reservation), and the policies
+that change it (vAttention, Prabhu et al., ASPLOS'25, sections 5-6; DESIGN.md "vmem backend").
+
+Vocabulary: a **unit** is the group of pages at one page index of a slot row, one per reservation.
+A live slot **claims** its units ``[0, claimed)``: they back the sequence (and any look-ahead), are
+fully mapped and are never reclaimed.  Everything else that is mapped is **kept**: the pages of
+freed slots (deferred reclamation: a new request that takes the slot reuses them without any map
+call) and the units of a live slot beyond ``claimed``.  A page is **reclaimable** when none of its
+mappings is claimed; reclaiming unmaps all its mappings (after the fence each slot recorded at
+free time has completed: unmapping memory a kernel still reads is fatal on CUDA) and returns it to
+the pool.  Reclamation takes pages without a prefix-cache entry first, then least recently used.
+
+Every public operation that needs pages comes with a ``plan_*`` method that counts the pages it will
+take and the pages it may use, without changing anything, so the cache can refuse with
+``KVCacheFullError`` and leave all state unchanged.  Operations claim what they keep before they
+acquire fresh pages, so reclamation never takes a page the operation is about to use.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Iterable, Sequence
+
+from vmkv.vmem.driver import VMMDriver
+from vmkv.vmem.layout import VMemLayout
+from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError
+from vmkv.vmem.prefix_index import PrefixIndex
+
+__all__ = ["SlotMapper", "Slot"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_SAMPLES = 100_000
+
+
+class Slot:
+    """One row of the reservations.  ``units[u][r]``: page mapped at unit ``u`` of reservation ``r``."""
+
+    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.units: dict[int, list[int | None]] = {}
+        self.seq_id: int | None = None
+        self.claimed = 0
+        self.fence: object = None
+        self.free_tick = 0
+
+    @property
+    def is_free(self) -> bool:
+        return self.seq_id is None
+
+    @property
+    def num_kept_units(self) -> int:
+        return sum(1 for u in self.units if u >= self.claimed)
+
+    def page(self, unit: int, res: int) -> int | None:
+        pages = self.units.get(unit)
+        return None if pages is None else pages[res]
+
+
+def _percentile(samples: Iterable[float], q: float) -> float:
+    data = sorted(samples)
+    if not data:
+        return 0.0
+    return data[min(len(data) - 1, int(q / 100.0 * len(data)))]
+
+
+class SlotMapper:
+    """Owns the reservations, the slots and every map/unmap of the vmem backend.
+
+    Args:
+        driver: the VMM driver.
+        layout: reservation and unit arithmetic.
+        pool: physical pages (reference count = number of mappings).
+        prefix: prefix-cache entries (dropped when a page is reclaimed or overwritten).
+    """
+
+    def __init__(self, driver: VMMDriver, layout: VMemLayout, pool: PagePool, prefix: PrefixIndex) -> None:
+        self.driver, self.layout, self.pool, self.prefix = driver, layout, pool, prefix
+        self.num_res = layout.num_reservations
+        self.bases: list[int] = []
+        try:
+            for _ in range(self.num_res):
+                self.bases.append(driver.reserve(layout.reservation_bytes))
+            self.base_tensors = [driver.as_tensor(b, layout.reservation_bytes) for b in self.bases]
+        except Exception:
+            for va in self.bases:
+                driver.free_reservation(va, layout.reservation_bytes)
+            raise
+        self.slots = [Slot(i) for i in range(layout.max_num_seqs)]
+        self._pos: dict[int, tuple[int, int]] = {}   # page -> (reservation, unit): fixed while mapped
+        self._where: dict[int, set[int]] = {}        # page -> slots it is mapped in
+        self._live: dict[int, int] = {}              # page -> claimed mappings
+        self._last_use: dict[int, int] = {}          # page -> tick it was last unclaimed or mapped
+        self._reclaimable: set[int] = set()
+        self._tick = 0
+        self.map_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
+        self.unmap_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
+        self.num_maps = self.num_unmaps = self.num_reclaimed_pages = self.num_cow_copies = 0
+        self.num_fence_waits = 0
+
+    # ------------------------------------------------------------------ primitives
+    def va(self, res: int, slot: int, unit: int) -> int:
+        return self.bases[res] + self.layout.unit_offset(slot, unit)
+
+    @staticmethod
+    def _is_claimed(slot: Slot, unit: int) -> bool:
+        return slot.seq_id is not None and unit < slot.claimed
+
+    def _update(self, page: int) -> None:
+        if self._live[page] == 0:
+            self._reclaimable.add(page)
+        else:
+            self._reclaimable.discard(page)
+
+    def _map(self, slot: Slot, unit: int, res: int, page: int) -> None:
+        pos = self._pos.get(page)
+        assert pos is None or pos == (res, unit), f"page {page} is at {pos}, cannot map at {(res, unit)}"
+        pages = slot.units.get(unit)
+        assert pages is None or pages[res] is None, f"slot {slot.index} unit {unit} res {res} is mapped"
+        t0 = time.perf_counter_ns()
+        self.driver.map(self.va(res, slot.index, unit), page)
+        self.map_us.append((time.perf_counter_ns() - t0) / 1e3)
+        self.num_maps += 1
+        self.pool.incref(page)
+        if pages is None:
+            pages = slot.units[unit] = [None] * self.num_res
+        pages[res] = page
+        self._pos[page] = (res, unit)
+        self._where.setdefault(page, set()).add(slot.index)
+        self._live[page] = self._live.get(page, 0) + self._is_claimed(slot, unit)
+        self._last_use[page] = self._tick
+        self._update(page)
+
+    def _unmap(self, slot: Slot, unit: int, res: int) -> int:
+        pages = slot.units[unit]
+        page = pages[res]
+        assert page is not None, f"slot {slot.index} unit {unit} res {res} is not mapped"
+        t0 = time.perf_counter_ns()
+        self.driver.unmap(self.va(res, slot.index, unit))
+        self.unmap_us.append((time.perf_counter_ns() - t0) / 1e3)
+        self.num_unmaps += 1
+        pages[res] = None
+        if all(p is None for p in pages):
+            del slot.units[unit]
+        self._where[page].discard(slot.index)
+        self._live[page] -= self._is_claimed(slot, unit)
+        if self.pool.decref(page) == 0:
+            self.prefix.drop_page(page)
+            for table in (self._pos, self._where, self._live, self._last_use):
+                del table[page]
+            self._reclaimable.discard(page)
+        else:
+            self._update(page)
+        return page
+
+    def _set_claimed(self, slot: Slot, claimed: int) -> None:
+        """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
+        old = slot.claimed
+        step, units = (1, range(old, claimed)) if claimed > old else (-1, range(claimed, old))
+        for u in units:
+            for p in slot.units.get(u, ()):
+                if p is not None:
+                    self._live[p] += step
+                    if step < 0:
+                        self._last_use[p] = self._tick
+                    self._update(p)
+        slot.claimed = claimed
+
+    def _wait_slot(self, slot: Slot) -> None:
+        """Wait for the fence of ``slot`` (recorded at free time) before unmapping its kept pages."""
+        if slot.fence is not None:
+            if not self.driver.fence_done(slot.fence):
+                self.num_fence_waits += 1
+                self.driver.wait_fence(slot.fence)
+            slot.fence = None
+
+    def _sync(self) -> None:
+        """Wait for all queued work (before unmapping a claimed page kernels may read)."""
+        fence = self.driver.record_fence()
+        if fence is not None:
+            self.num_fence_waits += 1
+            self.driver.wait_fence(fence)
+
+    def _needs_fresh(self, page: int | None) -> bool:
+        return page is None or self.pool.refcount(page) > 1
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_reclaimable(self) -> int:
+        return len(self._reclaimable)
+
+    def available_pages(self) -> int:
+        """Pages an operation could obtain: pool pages + reclaimable kept pages."""
+        return self.pool.num_available + len(self._reclaimable)
+
+    def reclaim(self, num_pages: int) -> int:
+        """Unmap reclaimable pages (unhashed first, then least recently used) until ``num_pages``
+        returned to the pool.  Returns the number returned."""
+        order = sorted(self._reclaimable,
+                       key=lambda p: (self.prefix.is_hashed(p), self._last_use[p], p))
+        freed = 0
+        for page in order:
+            if freed >= num_pages:
+                break
+            res, unit = self._pos[page]
+            for s in sorted(self._where[page]):
+                slot = self.slots[s]
+                self._wait_slot(slot)
+                self._unmap(slot, unit, res)
+            freed += 1
+        self.num_reclaimed_pages += freed
+        if freed:
+            logger.debug("reclaimed %d kept pages", freed)
+        return freed
+
+    def _ensure_pool(self, num_pages: int) -> None:
+        short = num_pages - self.pool.num_available
+        if short > 0:
+            self.reclaim(short)
+        if self.pool.num_available < num_pages:
+            raise PagePoolExhaustedError(
+                f"needed {num_pages} pages, {self.pool.num_available} available after reclaiming "
+                f"(plan/execute mismatch)")
+
+    def _fill_holes(self, slot: Slot, units: Iterable[int]) -> None:
+        holes = [(u, r) for u in units for r in range(self.num_res) if slot.page(u, r) is None]
+        self._ensure_pool(len(holes))
+        for u, r in holes:
+            page = self.pool.acquire()
+            try:
+                self._map(slot, u, r, page)
+            except BaseException:
+                self.pool.give_back(page)
+                raise
+
+    # ------------------------------------------------------------------ occupy (allocate)
+    def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """``(fresh pages needed, pages available)`` for :meth:`occupy`."""
+        fresh, leaving = 0, set()
+        for u in range(num_units):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if u < len(hits):
+                    if hits[u][r] in self._reclaimable:
+                        leaving.add(hits[u][r])     # becomes claimed
+                elif self._needs_fresh(cur):
+                    fresh += 1                      # a hole, or a shared kept page to replace
+                else:
+                    leaving.add(cur)                # kept page reused in place
+        return fresh, self.available_pages() - len(leaving)
+
+    def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> None:
+        """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed: units
+        ``[0, len(hits))`` map the prefix-hit pages, the rest reuse the slot's kept unshared pages
+        or get fresh ones."""
+        assert slot.is_free, f"slot {slot.index} is live"
+        slot.seq_id = seq_id
+        for u in range(num_units):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if cur is None:
+                    continue
+                keep = cur == hits[u][r] if u < len(hits) else self.pool.refcount(cur) == 1
+                if not keep:
+                    self._wait_slot(slot)
+                    self._unmap(slot, u, r)
+        for u in range(len(hits), num_units):     # reused pages will be overwritten
+            for p in slot.units.get(u, ()):
+                if p is not None:
+                    self.prefix.drop_page(p)
+        self._set_claimed(slot, num_units)
+        for u in range(len(hits)):
+            for r in range(self.num_res):
+                if slot.page(u, r) is None:
+                    self._map(slot, u, r, hits[u][r])
+        self._fill_holes(slot, range(len(hits), num_units))
+
+    # ------------------------------------------------------------------ grow (extend)
+    def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
+        """``(fresh pages needed, pages available)`` for :meth:`grow`."""
+        fresh = leaving = 0
+        for u in range(slot.claimed, num_units):
+            for r in range(self.num_res):
+                if self._needs_fresh(slot.page(u, r)):
+                    fresh += 1
+                else:
+                    leaving += 1
+        cow_units = [u for u in cow_units if u < slot.claimed]
+        fresh += self.plan_writable(slot, cow_units, range(self.num_res))
+        return fresh, self.available_pages() - leaving
+
+    def grow(self, slot: Slot, num_units: int, cow_units: Iterable[int], copy_below_bytes: int) -> None:
+        """Claim units up to ``num_units`` (reusing kept unshared pages), then copy-on-write the
+        shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
+        row are copied, others just replaced)."""
+        old = slot.claimed
+        cow_units = [u for u in cow_units if u < old]
+        if num_units > old:
+            for u in range(old, num_units):
+                for r in range(self.num_res):
+                    cur = slot.page(u, r)
+                    if cur is not None and self.pool.refcount(cur) > 1:
+                        self._wait_slot(slot)
+                        self._unmap(slot, u, r)
+                for p in slot.units.get(u, ()):
+                    if p is not None:
+                        self.prefix.drop_page(p)
+            self._set_claimed(slot, num_units)
+            self._fill_holes(slot, range(old, num_units))
+        page_bytes = self.layout.page_size_bytes
+        for u in cow_units:
+            self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
+
+    # ------------------------------------------------------------------ copy-on-write
+    def plan_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int]) -> int:
+        """Fresh pages :meth:`make_writable` needs: the shared pages among ``units`` x ``reservations``."""
+        reservations = tuple(reservations)
+        return sum(1 for u in units for r in reservations
+                   if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1)
+
+    def make_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int],
+                      copy: bool = True) -> None:
+        """Before writing into claimed ``units``: give every shared page a private copy
+        (copy-on-write) and drop the prefix entry of unshared pages (their content changes)."""
+        reservations = tuple(reservations)
+        for u in units:
+            for r in reservations:
+                page = slot.page(u, r)
+                if page is None:
+                    continue
+                if self.pool.refcount(page) > 1:
+                    self._cow(slot, u, r, copy)
+                else:
+                    self.prefix.drop_page(page)
+
+    def _cow(self, slot: Slot, unit: int, res: int, copy: bool) -> None:
+        old = slot.page(unit, res)
+        src = self.slots[min(self._where[old] - {slot.index})]
+        self._ensure_pool(1)
+        new = self.pool.acquire()
+        if self._is_claimed(slot, unit):
+            self._sync()        # kernels of earlier steps may still read this slot's page
+        else:
+            self._wait_slot(slot)
+        self._unmap(slot, unit, res)
+        try:
+            self._map(slot, unit, res, new)
+        except BaseException:
+            self.pool.give_back(new)
+            raise
+        if copy:
+            self.driver.copy_page(self.va(res, slot.index, unit), self.va(res, src.index, unit))
+            self.num_cow_copies += 1
+            if not self._is_claimed(src, unit):
+                # the source mapping may be reclaimed later: it must wait for this copy
+                src.fence = self.driver.record_fence()
+
+    # ------------------------------------------------------------------ fork, free, look-ahead
+    def share(self, child: Slot, parent: Slot, seq_id: int, num_units: int) -> None:
+        """Give free ``child`` to ``seq_id``, mapping the parent's pages of units ``[0, num_units)``."""
+        assert child.is_free, f"slot {child.index} is live"
+        child.seq_id = seq_id
+        for u in range(num_units):
+            for r in range(self.num_res):
+                cur = child.page(u, r)
+                if cur is not None and cur != parent.page(u, r):
+                    self._wait_slot(child)
+                    self._unmap(child, u, r)
+        self._set_claimed(child, num_units)
+        for u in range(num_units):
+            for r in range(self.num_res):
+                if child.page(u, r) is None:
+                    self._map(child, u, r, parent.page(u, r))
+
+    def vacate(self, slot: Slot) -> None:
+        """Free a live slot; its pages stay mapped (kept) behind a fence recorded now."""
+        self._tick += 1
+        self._set_claimed(slot, 0)
+        slot.seq_id = None
+        slot.fence = self.driver.record_fence()
+        slot.free_tick = self._tick
+
+    def map_ahead(self, slot: Slot, num_units: int) -> None:
+        """Best effort: claim units up to ``num_units`` from kept pages or the pool (no reclaiming)."""
+        for u in range(slot.claimed, num_units):
+            need = [r for r in range(self.num_res) if self._needs_fresh(slot.page(u, r))]
+            if len(need) > self.pool.num_available:
+                break
+            for r in need:
+                if slot.page(u, r) is not None:
+                    self._wait_slot(slot)
+                    self._unmap(slot, u, r)
+            for p in slot.units.get(u, ()):
+                if p is not None:
+                    self.prefix.drop_page(p)
+            self._set_claimed(slot, u + 1)
+            self._fill_holes(slot, [u])
+
+    # ------------------------------------------------------------------ introspection
+    def refcount(self, page: int) -> int:
+        return self.pool.refcount(page)
+
+    def num_mapped_pages(self) -> int:
+        return len(self._pos)
+
+    def stats(self) -> dict:
+        return {
+            "num_maps": self.num_maps,
+            "num_unmaps": self.num_unmaps,
+            "map_us_p50": _percentile(self.map_us, 50),
+            "map_us_p99": _percentile(self.map_us, 99),
+            "unmap_us_p50": _percentile(self.unmap_us, 50),
+            "unmap_us_p99": _percentile(self.unmap_us, 99),
+            "num_reclaimed_pages": self.num_reclaimed_pages,
+            "num_cow_copies": self.num_cow_copies,
+            "num_fence_waits": self.num_fence_waits,
+            "num_pages_created": self.pool.num_created,
+        }
+
+    def check_integrity(self) -> None:
+        refs: dict[int, int] = collections.Counter()
+        live: dict[int, int] = collections.Counter()
+        where: dict[int, set] = collections.defaultdict(set)
+        for slot in self.slots:
+            if slot.is_free and slot.claimed:
+                raise AssertionError(f"free slot {slot.index} claims {slot.claimed} units")
+            for u in range(slot.claimed):
+                if any(p is None for p in slot.units.get(u, [None])):
+                    raise AssertionError(f"slot {slot.index} claims unit {u} but it is not fully mapped")
+            for u, pages in slot.units.items():
+                if all(p is None for p in pages):
+                    raise AssertionError(f"slot {slot.index} keeps an empty unit {u}")
+                for r, p in enumerate(pages):
+                    if p is None:
+                        continue
+                    if self._pos.get(p) != (r, u):
+                        raise AssertionError(f"page {p} at slot {slot.index} ({r}, {u}) recorded at "
+                                             f"{self._pos.get(p)}")
+                    refs[p] += 1
+                    live[p] += self._is_claimed(slot, u)
+                    where[p].add(slot.index)
+                    if self.driver.mapped_handle(self.va(r, slot.index, u)) != p:
+                        raise AssertionError(f"driver maps {self.driver.mapped_handle(self.va(r, slot.index, u))}"
+                                             f" at slot {slot.index} ({r}, {u}), expected {p}")
+        if set(refs) != set(self._pos):
+            raise AssertionError(f"{len(refs)} pages mapped, {len(self._pos)} recorded")
+        for p, n in refs.items():
+            if self.pool.refcount(p) != n or self._live[p] != live[p] or self._where[p] != where[p]:
+                raise AssertionError(f"page {p}: refcount {self.pool.refcount(p)} vs {n} mappings, "
+                                     f"live {self._live[p]} vs {live[p]}")
+        expected = {p for p in refs if live[p] == 0}
+        if expected != self._reclaimable:
+            raise AssertionError(f"reclaimable set has {len(self._reclaimable)} pages, expected "
+                                 f"{len(expected)}")
+        if sum(refs.values()) != self.driver.num_mappings:
+            raise AssertionError(f"{sum(refs.values())} mappings recorded, driver has "
+                                 f"{self.driver.num_mappings}")
+        if self.pool.num_in_use != len(refs):
+            raise AssertionError(f"pool has {self.pool.num_in_use} pages in use, {len(refs)} mapped")
+        stray = self.prefix.hashed_pages() - set(refs)
+        if stray:
+            raise AssertionError(f"prefix entries name {len(stray)} unmapped pages")
+        self.pool.check_integrity()
+        self.prefix.check_integrity()
+
+    def close(self) -> None:
+        """Unmap everything (after all queued work), release the pages and the reservations."""
+        self._sync()
+        for slot in self.slots:
+            slot.claimed = 0
+            slot.seq_id = None
+            for u in sorted(slot.units):
+                for r in range(self.num_res):
+                    if slot.page(u, r) is not None:
+                        self._unmap(slot, u, r)
+        self.prefix.clear()
+        self.base_tensors = []
+        self.pool.close()
+        for va in self.bases:
+            self.driver.free_reservation(va, self.layout.reservation_bytes)
+        self.bases = []

@@ -1,36 +1,96 @@
 """Dispatch of the cache's per-step operations: Triton kernels on CUDA, torch references elsewhere.
 
-Backends call only these functions; each takes explicit tensors (no engine types).
+Backends call only these functions; each takes explicit tensors (no engine types).  ``impl`` picks
+the implementation:
+
+- ``"auto"`` (default): the Triton kernel when the tensors are on CUDA and Triton imports, else the
+  pure-torch reference (:mod:`vmkv.kernels.reference`), which is the CPU path.
+- ``"triton"``: the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``, for tests).
+- ``"torch"``: the reference.
+- ``"sdpa"`` (``contiguous_attention`` only): unmodified ``scaled_dot_product_attention`` on slot views
+  (:mod:`vmkv.kernels.sdpa`, vAttention's thesis).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from vmkv.kernels import _checks
 from vmkv.kernels import reference as ref
+
+logger = logging.getLogger(__name__)
+
+_IMPLS = ("auto", "triton", "torch")
+
+
+def _pick(impl: str, device: torch.device, dtype: torch.dtype, extra: tuple[str, ...] = ()) -> str:
+    if impl not in _IMPLS + extra:
+        raise ValueError(f"impl must be one of {_IMPLS + extra}, got {impl!r}")
+    if impl == "auto":
+        ok = device.type == "cuda" and _checks.triton_available() and dtype in _checks.KERNEL_DTYPES
+        return "triton" if ok else "torch"
+    if impl == "triton" and not _checks.triton_can_run(device):
+        raise ValueError(
+            f"impl='triton' cannot run on {device}: Triton needs CUDA tensors (or TRITON_INTERPRET=1 "
+            f"on CPU) and an importable triton; use impl='torch'"
+        )
+    return impl
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, impl: str = "auto") -> None:
     """Scatter ``k, v: [num_tokens, H, D]`` into ``[dim0, dim1, H, D]`` cache views at
-    ``slot_mapping: int64 [num_tokens]`` (flat ``index0 * dim1 + index1``)."""
-    ref.write_kv_ref(key_cache, value_cache, k, v, slot_mapping)
+    ``slot_mapping: int64 [num_tokens]`` (flat ``index0 * dim1 + index1``).
+
+    See :func:`vmkv.kernels.write_kv.write_kv` (Triton) and
+    :func:`vmkv.kernels.reference.write_kv_ref` (torch)."""
+    if _pick(impl, key_cache.device, key_cache.dtype) == "triton":
+        from vmkv.kernels.write_kv import write_kv as write_kv_triton
+        write_kv_triton(key_cache, value_cache, k, v, slot_mapping)
+    else:
+        ref.write_kv_ref(key_cache, value_cache, k, v, slot_mapping)
+
+
+def _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
+                      max_seq_len, scale, block_tables=None, slot_indices=None):
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+        from vmkv.kernels.decode_attention import decode_attention
+        return decode_attention(q, key_cache, value_cache, seq_lens, max_seq_len=max_seq_len,
+                                scale=scale, block_tables=block_tables, slot_indices=slot_indices)
+    from vmkv.kernels.prefill_attention import prefill_attention
+    return prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
+                             max_query_len=max_query_len, scale=scale, block_tables=block_tables,
+                             slot_indices=slot_indices)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, *, seq_lens_host: list[int], query_lens_host: list[int],
-                    max_query_len: int, max_seq_len: int, scale: float) -> torch.Tensor:
+                    max_query_len: int, max_seq_len: int, scale: float,
+                    impl: str = "auto") -> torch.Tensor:
     """Causal attention over a paged cache.
+
+    A decode batch (``max_query_len == 1``) runs the split-K decode kernel, anything else the
+    varlen prefill kernel (chunked prefill and mixed batches included).
 
     Args:
         q: ``[num_tokens, num_heads, D]``.
         key_cache, value_cache: ``[num_blocks, block_size, H, D]``.
         block_tables: ``int32 [num_seqs, max_blocks]``.
         query_start_loc: ``int32 [num_seqs + 1]``; seq_lens: ``int32 [num_seqs]``.
+        seq_lens_host, query_lens_host: host copies (used by the reference).
+        max_query_len, max_seq_len: host ints; scale: softmax scale.
+        impl: ``"auto" | "triton" | "torch"`` (module docstring).
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
+    Raises:
+        ValueError: bad ``impl`` or inputs the Triton kernels reject (dtype, device, strides, shapes).
     """
+    if _pick(impl, q.device, q.dtype) == "triton":
+        return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
+                                 max_seq_len, scale, block_tables=block_tables)
     return ref.paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens_host,
                                    query_lens_host, scale)
 
@@ -39,16 +99,31 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                          slot_indices: torch.Tensor, query_start_loc: torch.Tensor,
                          seq_lens: torch.Tensor, *, seq_lens_host: list[int],
                          query_lens_host: list[int], max_query_len: int, max_seq_len: int,
-                         scale: float, slot_indices_host: list[int] | None = None) -> torch.Tensor:
+                         scale: float, slot_indices_host: list[int] | None = None,
+                         impl: str = "auto") -> torch.Tensor:
     """Causal attention over virtually contiguous slots.
 
     Args:
         q: ``[num_tokens, num_heads, D]``.
-        key_cache, value_cache: ``[max_num_seqs, max_model_len, H, D]`` strided views.
-        slot_indices: ``int32 [num_seqs]``.
+        key_cache, value_cache: ``[max_num_seqs, max_model_len, H, D]`` strided views (megacache or
+            per-layer; ``stride(-1) == 1``, other strides arbitrary).
+        slot_indices: ``int32 [num_seqs]``; slot_indices_host: optional host copy (needed by ``"sdpa"``
+            without a device sync).
+        query_start_loc: ``int32 [num_seqs + 1]``; seq_lens: ``int32 [num_seqs]``.
+        impl: ``"auto" | "triton" | "torch" | "sdpa"`` (module docstring).
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
+    Raises:
+        ValueError: bad ``impl`` or inputs the Triton kernels reject.
     """
+    chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",))
+    if chosen == "triton":
+        return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
+                                 max_seq_len, scale, slot_indices=slot_indices)
     slots = slot_indices_host if slot_indices_host is not None else slot_indices
+    if chosen == "sdpa":
+        from vmkv.kernels.sdpa import sdpa_slot_attention
+        host = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        return sdpa_slot_attention(q, key_cache, value_cache, host, seq_lens_host, query_lens_host, scale)
     return ref.contiguous_attention_ref(q, key_cache, value_cache, slots, seq_lens_host,
                                         query_lens_host, scale)

@@ -1,0 +1,242 @@
+"""``vmkv bench serve``: a load client for any OpenAI-compatible server (ours, vLLM, SGLang, ...).
+
+Sends a seeded workload (:mod:`vmkv.compare.workloads`) as streaming ``/v1/completions`` (or
+``/v1/chat/completions``) requests at Poisson/gamma arrival times (``--request-rate``, ``inf`` = all
+at once), optionally capped at ``--max-concurrency`` in flight, and measures from the client side, as
+vLLM's ``benchmark_serving.py`` does: TTFT (send to first content chunk), ITL (gaps between content
+chunks), TPOT ``(e2e - ttft) / (output_tokens - 1)``, E2E, request/output/total token throughput and
+goodput under ``--slo``.  Output tokens come from the server's ``usage`` (``stream_options.include_usage``)
+when it reports it, else from the number of content chunks.
+
+Prompts: ``--prompt-format tokens`` sends random token ids (exact lengths; needs ``--vocab-size``);
+``text`` sends random common English words, about one token each (the server's ``usage`` gives the
+real count).  ``ignore_eos`` (a vLLM extension our server supports) keeps output lengths exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vmkv.compare import report
+from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics
+from vmkv.compare.workloads import LengthDist, Request, WorkloadSpec, arrival_offsets
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_arguments", "run", "build_requests", "run_benchmark", "send_one"]
+
+# frequent English words, each one BPE token with a leading space in common tokenizers
+_WORDS = ("the of and to in is was for on that with as by it at from his an be this are or not had but "
+          "which have one you were her all their there been has when who more will if no out so said what "
+          "up its about into than them can only other new some could time these two may then do first any "
+          "my now such like our over man me even most made after also did many before must through back "
+          "years where much your way well down should because each just those people how too little state "
+          "good very make world still own see men work long get here between both life being under never "
+          "day same another know while last might us great old year off come since against go came right").split()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve}")
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--model", required=False, default=None, help="model name sent in requests (default: "
+                   "the first of GET /v1/models)")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (inf = all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--input-len", default="256", help="N, A..B, lognormal:MEDIAN,SIGMA[,MIN,MAX], sharegpt-in")
+    p.add_argument("--output-len", default="128", help="same forms (max_tokens; exact with ignore_eos)")
+    p.add_argument("--prompt-format", default="text", choices=["text", "tokens"])
+    p.add_argument("--vocab-size", type=int, default=None, help="for --prompt-format tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    p.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft:500,tpot:50")
+    p.add_argument("--out", default=None, help="directory for bench.json and bench.md")
+
+
+def build_requests(args) -> list[Request]:
+    """Seeded requests; ``meta["prompt"]`` holds the text or the token ids to send."""
+    spec = WorkloadSpec(num_requests=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                        request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
+    rngs = [np.random.default_rng([spec.seed, i]) for i in range(4)]
+    in_lens = LengthDist.parse(spec.input_len).sample(rngs[0], spec.num_requests)
+    out_lens = LengthDist.parse(spec.output_len).sample(rngs[1], spec.num_requests)
+    arrivals = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, rngs[2])
+    reqs = []
+    for i in range(spec.num_requests):
+        n = int(in_lens[i])
+        if args.prompt_format == "tokens":
+            if not args.vocab_size or args.vocab_size < 2:
+                raise ValueError("--prompt-format tokens needs --vocab-size (the model's vocabulary size)")
+            ids = rngs[3].integers(min(100, args.vocab_size // 4), args.vocab_size, n).tolist()
+            prompt = ids
+        else:
+            ids = []
+            prompt = " ".join(_WORDS[j] for j in rngs[3].integers(0, len(_WORDS), n))
+        reqs.append(Request(f"bench-{i}", ids, int(out_lens[i]), float(arrivals[i]), meta={"prompt": prompt,
+                                                                                          "prompt_len": n}))
+    return reqs
+
+
+def _payload(req: Request, args, model: str) -> dict:
+    body = {"model": model, "max_tokens": req.output_len, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if not args.no_ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint.endswith("chat/completions"):
+        if not isinstance(req.meta["prompt"], str):
+            raise ValueError("/v1/chat/completions needs --prompt-format text")
+        body["messages"] = [{"role": "user", "content": req.meta["prompt"]}]
+    else:
+        body["prompt"] = req.meta["prompt"]
+    return body
+
+
+def _chunk_text(chunk: dict) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+
+
+async def send_one(client, url: str, body: dict, req: Request, headers: dict) -> RequestRecord:
+    """POST one streaming request and time its chunks (``time.perf_counter`` seconds)."""
+    times: list[float] = []
+    usage = None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:300]
+                raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if _chunk_text(chunk):
+                    times.append(time.perf_counter())
+    except Exception as exc:  # any failure is recorded, the run goes on
+        return RequestRecord(req.request_id, req.meta["prompt_len"], 0, start, None, None, success=False,
+                             error=f"{type(exc).__name__}: {exc}")
+    if not times:
+        return RequestRecord(req.request_id, req.meta["prompt_len"], 0, start, None, None, success=False,
+                             error="no content chunk received")
+    out_tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") else len(times)
+    prompt_len = int(usage["prompt_tokens"]) if usage and usage.get("prompt_tokens") else req.meta["prompt_len"]
+    return RequestRecord(req.request_id, prompt_len, out_tokens, start, times[0], times[-1], times)
+
+
+async def run_benchmark(requests: list[Request], args, model: str, transport=None, on_done=None) -> tuple[list, float]:
+    """Send ``requests`` at their arrival offsets; returns ``(records, duration_s)``."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.base_url.rstrip("/") + args.endpoint
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(requests) or 1)
+    async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits, transport=transport) as client:
+        start = time.perf_counter()
+
+        async def launch(req: Request) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+            if sem is None:
+                rec = await send_one(client, url, _payload(req, args, model), req, headers)
+            else:
+                async with sem:
+                    rec = await send_one(client, url, _payload(req, args, model), req, headers)
+            if on_done:
+                on_done(rec)
+            return rec
+
+        records = await asyncio.gather(*(launch(r) for r in requests))
+    ends = [r.finish_time for r in records if r.finish_time is not None]
+    return list(records), max(max(ends, default=start) - start, 1e-9)
+
+
+async def _first_model(base_url: str, api_key: str | None, transport=None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=30, transport=transport) as client:
+        resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        resp.raise_for_status()
+        data = resp.json().get("data") or []
+        if not data:
+            raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+        return data[0]["id"]
+
+
+COLUMNS = ["metric", "mean", "p50", "p90", "p99"]
+
+
+def _rows(m: dict) -> list[list[str]]:
+    f = report.fmt_num
+    return [[name, f(m[key]["mean"]), f(m[key]["p50"]), f(m[key]["p90"]), f(m[key]["p99"])]
+            for name, key in (("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "itl_ms"),
+                              ("E2E (ms)", "e2e_ms"))]
+
+
+def run(args, transport=None) -> int:
+    console = report.console()
+    if getattr(args, "bench_command", None) != "serve":
+        console.print("usage: vmkv bench serve --base-url URL [--model NAME] ... (see vmkv bench serve --help)")
+        return 2
+    try:
+        requests = build_requests(args)
+        model = args.model or asyncio.run(_first_model(args.base_url, args.api_key, transport))
+        if requests:
+            _payload(requests[0], args, model)  # validates endpoint vs prompt format
+    except (ValueError, RuntimeError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except Exception as exc:  # connection errors of httpx
+        console.print(f"[red]error:[/red] cannot reach {args.base_url}: {type(exc).__name__}: {exc}")
+        return 2
+    with report.progress(console) as prog:
+        task = prog.add_task(f"{args.endpoint} @ {args.request_rate:g} req/s", total=len(requests))
+        records, duration = asyncio.run(run_benchmark(requests, args, model, transport,
+                                                      on_done=lambda _r: prog.advance(task)))
+    m = compute_serving_metrics(records, duration, SLO.parse(args.slo))
+    title = (f"{model} at {args.base_url}{args.endpoint}: {m['completed']} ok / {m['failed']} failed in "
+             f"{duration:.2f} s; {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} output tok/s, "
+             f"{m['total_token_throughput']:.1f} total tok/s"
+             + ("" if m["goodput"] is None else f", goodput {m['goodput']:.2f} req/s"))
+    console.print(title)
+    console.print(report.make_table("client-side latencies", COLUMNS, _rows(m)))
+    errors = [r.error for r in records if not r.success]
+    if errors:
+        console.print(f"[yellow]first error:[/yellow] {errors[0]}")
+    if args.out:
+        out = Path(args.out)
+        env = report.environment(seed=args.seed)
+        t0 = min((r.arrival_time for r in records), default=0.0)
+        raw = [{**r.to_dict(), "arrival_time": r.arrival_time - t0,
+                "first_token_time": None if r.first_token_time is None else r.first_token_time - t0,
+                "finish_time": None if r.finish_time is None else r.finish_time - t0,
+                "token_times": [round(t - t0, 6) for t in r.token_times]} for r in records]
+        report.write_json(out / "bench.json", {"kind": "bench-serve", "environment": env, "args": vars(args),
+                                               "model": model, "metrics": m, "raw": raw})
+        md = ["# vmkv bench serve", "", f"Command: `{env['command']}`", "", title, "",
+              report.markdown_table(COLUMNS, _rows(m)), ""]
+        (out / "bench.md").write_text("\n".join(md))
+        console.print(f"wrote {out}/bench.json, bench.md")
+    return 0 if not errors else 1

@@ -1,0 +1,175 @@
+"""HostDriver: the real mmap/memfd mechanism of the vmem backend, on CPU."""
+
+import mmap
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vmkv.vmem.driver import HostDriver, VMMError, get_driver
+
+PAGE = 4096
+
+
+@pytest.fixture
+def drv():
+    d = HostDriver("cpu", PAGE)
+    yield d
+    d.close()
+
+
+def _perms(va: int) -> str:
+    """Permissions of the mapping that contains ``va``, from /proc/self/maps (never touches it)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            rng, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in rng.split("-"))
+            if lo <= va < hi:
+                return perms
+    return ""
+
+
+def test_two_mappings_of_one_page_share_memory(drv):
+    va = drv.reserve(4 * PAGE)
+    page = drv.create_page()
+    drv.map(va, page)
+    drv.map(va + 2 * PAGE, page)
+    t = drv.as_tensor(va, 4 * PAGE)
+    pattern = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
+    t[:PAGE] = pattern
+    assert torch.equal(t[2 * PAGE:3 * PAGE], pattern)
+    # a typed view over the second mapping sees the same bytes
+    f = drv.as_tensor(va + 2 * PAGE, PAGE, torch.float32)
+    assert f.dtype == torch.float32 and f.numel() == PAGE // 4 and f.data_ptr() == va + 2 * PAGE
+    f[0] = 1.5
+    assert drv.as_tensor(va, 4, torch.float32)[0].item() == 1.5
+    assert drv.num_mappings == 2 and drv.num_pages == 1
+    assert _perms(va) == "rw-s" and _perms(va + 2 * PAGE) == "rw-s"
+    assert _perms(va + PAGE) == "---p"
+
+
+def test_unmap_leaves_range_reserved_and_inaccessible(drv):
+    va = drv.reserve(2 * PAGE)
+    page = drv.create_page()
+    drv.map(va, page)
+    drv.as_tensor(va, PAGE).fill_(7)
+    drv.unmap(va)
+    assert _perms(va) == "---p"          # PROT_NONE again, still reserved (not unmapped from the process)
+    assert drv.num_mappings == 0 and drv.num_reservations == 1
+    # the page keeps its content and can be mapped again, at another address of the range
+    drv.map(va + PAGE, page)
+    assert int(drv.as_tensor(va + PAGE, PAGE).sum()) == 7 * PAGE
+    drv.unmap(va + PAGE)
+    drv.release(page)
+
+
+def test_released_page_offset_is_reused_and_zeroed(drv):
+    va = drv.reserve(PAGE)
+    a = drv.create_page()
+    b = drv.create_page()
+    assert {a, b} == {0, PAGE} and drv.file_pages == 2
+    drv.map(va, a)
+    drv.as_tensor(va, PAGE).fill_(9)
+    drv.unmap(va)
+    drv.release(a)
+    c = drv.create_page()
+    assert c == a and drv.file_pages == 2        # free list, the file did not grow
+    drv.map(va, c)
+    assert int(drv.as_tensor(va, PAGE).sum()) == 0   # hole punched: memory went back to the OS
+    drv.unmap(va)
+
+
+def test_copy_page(drv):
+    va = drv.reserve(2 * PAGE)
+    p, q = drv.create_page(), drv.create_page()
+    drv.map(va, p)
+    drv.map(va + PAGE, q)
+    src = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
+    drv.as_tensor(va, PAGE).copy_(src)
+    drv.copy_page(va + PAGE, va)
+    assert torch.equal(drv.as_tensor(va + PAGE, PAGE), src)
+    drv.unmap(va + PAGE)
+    with pytest.raises(VMMError, match="not mapped"):
+        drv.copy_page(va + PAGE, va)
+
+
+def test_errors_name_the_call(drv):
+    va = drv.reserve(2 * PAGE)
+    page = drv.create_page()
+    with pytest.raises(VMMError, match=r"^mmap failed: EINVAL .*not aligned") as e:
+        drv.map(va + 8, page)
+    assert e.value.call == "mmap" and e.value.code == "EINVAL"
+    with pytest.raises(VMMError, match="not inside a reservation"):
+        drv.map(va + 2 * PAGE, page)
+    drv.map(va, page)
+    with pytest.raises(VMMError, match="already mapped"):
+        drv.map(va, page)
+    with pytest.raises(VMMError, match=r"^fallocate failed: EINVAL .*still mapped"):
+        drv.release(page)
+    with pytest.raises(VMMError, match=r"^munmap failed: .*still mapped"):
+        drv.free_reservation(va, 2 * PAGE)
+    drv.unmap(va)
+    with pytest.raises(VMMError, match="nothing is mapped"):
+        drv.unmap(va)
+    with pytest.raises(VMMError, match="multiple of page_size_bytes"):
+        drv.reserve(PAGE + 1)
+    drv.release(page)
+    with pytest.raises(VMMError, match="released"):
+        drv.map(va, page)
+
+
+def test_libc_failure_is_a_vmm_error_with_errno(drv):
+    with pytest.raises(VMMError) as e:
+        drv.reserve(1 << 62)     # more address space than exists
+    assert e.value.call == "mmap" and e.value.code.startswith("ENOMEM")
+    assert drv.num_reservations == 0
+
+
+def test_close_releases_everything_and_counts_balance():
+    d = HostDriver("cpu", PAGE)
+    va = d.reserve(8 * PAGE)
+    pages = [d.create_page() for _ in range(5)]
+    for i, p in enumerate(pages):
+        d.map(va + i * PAGE, p)
+    assert (d.num_pages, d.num_mappings, d.num_reservations, d.reserved_bytes) == (5, 5, 1, 8 * PAGE)
+    for i, p in enumerate(pages[:2]):
+        d.unmap(va + i * PAGE)
+        d.release(p)
+    assert (d.num_pages, d.num_mappings) == (3, 3)
+    d.close()
+    assert (d.num_pages, d.num_mappings, d.num_reservations) == (0, 0, 0)
+    d.close()  # idempotent
+    with pytest.raises(VMMError, match="closed"):
+        d.reserve(PAGE)
+
+
+def test_page_size_validation_and_default():
+    with pytest.raises(ValueError, match="multiple of the OS page size"):
+        HostDriver("cpu", mmap.PAGESIZE + 512)
+    with pytest.raises(ValueError, match="CPU"):
+        HostDriver("meta")
+    d = HostDriver()
+    assert d.page_size_bytes == 64 * 1024
+    d.close()
+
+
+def test_get_driver():
+    d = get_driver("auto", "cpu", PAGE)
+    assert isinstance(d, HostDriver) and d.page_size_bytes == PAGE
+    d.close()
+    with pytest.raises(ValueError, match="unknown vmem driver"):
+        get_driver("nope", "cpu")
+    with pytest.raises(ValueError, match="CPU"):
+        get_driver("host", "cuda")
+    pytest.importorskip("cuda.bindings")
+    with pytest.raises(ValueError, match="CUDA device"):
+        get_driver("cuda", "cpu")
+
+
+@pytest.mark.slow
+def test_vmem_imports_without_cuda_bindings():
+    # block cuda-python entirely (torch itself may import parts of it when present)
+    code = ("import sys; sys.modules['cuda.bindings'] = None; sys.modules['cuda.bindings.driver'] = None; "
+            "import vmkv.vmem, vmkv.vmem.cache; from vmkv.vmem import HostDriver; HostDriver().close()")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,391 @@
+"""End-to-end engine tests on a tiny random Llama saved with ``save_pretrained`` (no download).
+
+Every behaviour runs on both KV backends: ``paged`` and ``vmem`` (host driver, 4 KiB pages, so
+a megacache page holds 8 tokens of this model: ``bytes_per_token = 2 layers x 2 (K,V) x 2 heads
+x 16 x 4 bytes = 512``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import hf_greedy, make_tiny_llama, random_prompts
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.sequence import PromptTooLongError
+
+BYTES_PER_TOKEN = 512
+BACKENDS = {
+    "paged": {"kv_backend": "paged"},
+    "vmem": {"kv_backend": "vmem", "driver": "host", "page_size_bytes": 4096},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~30x faster on one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vmkv.model import load_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model, tokenizer = make_tiny_llama(path)
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    return {"path": str(path), "hf": hf_model, "tokenizer": tokenizer, "loaded": loaded}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    return request.param
+
+
+def make_engine(tiny, backend: str, **knobs) -> LLMEngine:
+    opts = dict(BACKENDS[backend])
+    kv_backend = opts.pop("kv_backend")
+    knobs = {"max_model_len": 256, "memory_bytes": 512 * BYTES_PER_TOKEN, **opts, **knobs}
+    cfg = EngineConfig.from_args(tiny["path"], kv_backend, "cpu", "float32", **knobs)
+    return LLMEngine(cfg, loaded=tiny["loaded"])
+
+
+def run_all(engine: LLMEngine, on_step=None) -> dict:
+    """Step until done; returns request_id -> final RequestOutput; checks outputs are append-only."""
+    final, seen = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                prev_text, prev_ids = seen.get((out.request_id, c.index), ("", []))
+                assert c.text.startswith(prev_text), (prev_text, c.text)
+                assert c.token_ids[:len(prev_ids)] == prev_ids
+                seen[(out.request_id, c.index)] = (c.text, list(c.token_ids))
+            if out.finished:
+                final[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+    return final
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+# ---------------------------------------------------------------------- greedy == transformers
+def test_greedy_matches_transformers(tiny, backend):
+    prompts = random_prompts(len(tiny["tokenizer"]), [3, 17, 40, 64], seed=1)
+    refs = [hf_greedy(tiny["hf"], p, 24) for p in prompts]
+    engine = make_engine(tiny, backend)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, greedy(24), prompt_token_ids=p)
+    final = run_all(engine)
+    for i, ref in enumerate(refs):
+        out = final[f"r{i}"].outputs[0]
+        assert out.token_ids == ref, f"request {i}"
+        assert out.finish_reason == "length"
+    assert engine.kv_cache.usage().used_tokens == 0
+    engine.kv_cache.check_integrity()
+
+
+def test_preemption_and_chunked_prefill_match_transformers(tiny, backend):
+    """A 160-token cache for 5 requests of ~90 tokens each, an 16-token step budget: prompts are
+    prefilled in chunks, running requests are preempted by recompute, and every request still
+    produces exactly transformers' greedy tokens and completes."""
+    prompts = random_prompts(len(tiny["tokenizer"]), [50, 37, 61, 45, 29], seed=2)
+    refs = [hf_greedy(tiny["hf"], p, 40) for p in prompts]
+    engine = make_engine(tiny, backend, memory_bytes=160 * BYTES_PER_TOKEN, max_model_len=128,
+                         max_num_batched_tokens=16, max_num_seqs=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, greedy(40), prompt_token_ids=p)
+    checked = []
+    final = run_all(engine, on_step=lambda e: checked.append(e.kv_cache.check_integrity()))
+    stats = engine.get_stats()
+    assert stats.num_preempted_total > 0
+    assert stats.num_prefill_chunks_total > 0
+    for i, ref in enumerate(refs):
+        assert final[f"r{i}"].outputs[0].token_ids == ref, f"request {i}"
+    assert engine.kv_cache.usage().used_tokens == 0
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.max_concurrent_seqs <= 4
+
+
+def test_cache_too_small_for_all_requests_completes_everything(tiny, backend):
+    engine = make_engine(tiny, backend, memory_bytes=96 * BYTES_PER_TOKEN, max_model_len=64,
+                         max_num_seqs=8)
+    prompts = random_prompts(len(tiny["tokenizer"]), [20, 24, 16, 30, 12, 28, 22, 18], seed=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, greedy(30), prompt_token_ids=p)
+    # all at once would need sum(prompt + 30) = 350 tokens > 96
+    final = run_all(engine)
+    assert sorted(final) == sorted(f"r{i}" for i in range(8))
+    for i, p in enumerate(prompts):
+        out = final[f"r{i}"].outputs[0]
+        assert len(out.token_ids) == min(30, 64 - len(p)) and out.finish_reason == "length"
+    stats = engine.get_stats()
+    assert stats.num_preempted_total > 0
+    assert stats.kv_usage.used_tokens == 0 and stats.kv_usage.num_seqs == 0
+    assert stats.alloc_time_s_total > 0 and stats.num_steps > 0
+
+
+# ---------------------------------------------------------------------- n > 1 through fork
+def test_n3_shares_the_prompt_kv(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [120], seed=4)[0]
+    engine = make_engine(tiny, backend, memory_bytes=1024 * BYTES_PER_TOKEN)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    engine.add_request("n3", None, params, prompt_token_ids=prompt)
+    peak = {"bytes": 0, "seqs": 0}
+
+    def watch(e):
+        u = e.kv_cache.usage()
+        peak["bytes"] = max(peak["bytes"], u.allocated_bytes)
+        peak["seqs"] = max(peak["seqs"], u.num_seqs)
+
+    final = run_all(engine, on_step=watch)
+    outs = final["n3"].outputs
+    assert [c.index for c in outs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in outs)
+    assert len({tuple(c.token_ids) for c in outs}) > 1          # independent samples
+    assert peak["seqs"] == 3
+    one_copy = (len(prompt) + 8) * BYTES_PER_TOKEN
+    assert peak["bytes"] < 2 * one_copy, (peak, one_copy)        # far below three copies
+    assert engine.get_stats().num_prompt_tokens_total == len(prompt)   # prefilled once
+    assert engine.kv_cache.usage().used_tokens == 0
+
+
+def test_n3_greedy_children_equal_parent(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [21], seed=5)[0]
+    ref = hf_greedy(tiny["hf"], prompt, 12)
+    engine = make_engine(tiny, backend)
+    engine.add_request("g", None, greedy(12, n=3), prompt_token_ids=prompt)
+    outs = run_all(engine)["g"].outputs
+    assert [c.token_ids for c in outs] == [ref, ref, ref]
+
+
+# ---------------------------------------------------------------------- abort
+def test_abort_frees_kv_at_any_point(tiny, backend):
+    engine = make_engine(tiny, backend, max_num_batched_tokens=32)
+    prompts = random_prompts(len(tiny["tokenizer"]), [80, 10, 10], seed=6)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, greedy(50), prompt_token_ids=p)
+    engine.step()                                   # r0 mid-prefill (32 of 80 tokens)
+    assert engine.kv_cache.usage().num_seqs == 1
+    engine.abort_request("r0")
+    assert engine.kv_cache.usage().used_tokens == 0
+    engine.abort_request("r0")                      # idempotent
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["r0"].finished and outs["r0"].outputs[0].finish_reason == "abort"
+    for _ in range(3):
+        engine.step()
+    before = engine.kv_cache.usage().used_tokens
+    assert before > 0
+    engine.abort_request("r1")                      # while decoding
+    engine.abort_request("r-unknown")               # ignored
+    assert engine.kv_cache.usage().used_tokens < before
+    final = run_all(engine)
+    assert final["r1"].outputs[0].finish_reason == "abort"
+    assert final["r2"].outputs[0].finish_reason == "length"
+    assert engine.kv_cache.usage().used_tokens == 0 and not engine.has_unfinished_requests()
+
+
+def test_abort_waiting_request(tiny, backend):
+    engine = make_engine(tiny, backend, max_num_seqs=1)
+    p = random_prompts(len(tiny["tokenizer"]), [8, 8], seed=7)
+    engine.add_request("a", None, greedy(4), prompt_token_ids=p[0])
+    engine.add_request("b", None, greedy(4), prompt_token_ids=p[1])
+    engine.step()
+    assert engine.get_stats().num_waiting == 1
+    engine.abort_request("b")
+    assert engine.num_unfinished_requests() == 1
+    final = run_all(engine)
+    assert final["b"].outputs[0].finish_reason == "abort" and final["b"].outputs[0].token_ids == []
+    assert final["a"].outputs[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------- sampling
+def test_seeded_sampling_is_reproducible_per_request(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [12], seed=8)[0]
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16,
+                            ignore_eos=True)
+
+    def sample(extra: int) -> list[int]:
+        engine = make_engine(tiny, backend, seed=extra)
+        for j, p in enumerate(random_prompts(len(tiny["tokenizer"]), [9] * extra, seed=99)):
+            engine.add_request(f"other{j}", None, SamplingParams(temperature=1.0, max_tokens=10),
+                               prompt_token_ids=p)
+        engine.add_request("me", None, params, prompt_token_ids=prompt)
+        return run_all(engine)["me"].outputs[0].token_ids
+
+    alone, batched = sample(0), sample(3)
+    assert alone == batched and len(alone) == 16
+    engine = make_engine(tiny, backend)
+    other = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=16,
+                           ignore_eos=True)
+    engine.add_request("x", None, other, prompt_token_ids=prompt)
+    assert run_all(engine)["x"].outputs[0].token_ids != alone
+
+
+def test_max_tokens_and_ignore_eos(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [10], seed=9)[0]
+    ref = hf_greedy(tiny["hf"], prompt, 12)
+    engine = make_engine(tiny, backend)
+    engine.eos_token_ids = (ref[4],)                # pretend the 5th greedy token is EOS
+    engine.add_request("eos", None, SamplingParams(temperature=0, max_tokens=12), prompt_token_ids=prompt)
+    engine.add_request("ign", None, greedy(12), prompt_token_ids=prompt)
+    engine.add_request("len", None, greedy(3), prompt_token_ids=prompt)
+    final = run_all(engine)
+    eos_at = ref.index(ref[4])
+    assert final["eos"].outputs[0].token_ids == ref[:eos_at + 1]
+    assert final["eos"].outputs[0].finish_reason == "stop"
+    assert final["eos"].outputs[0].stop_reason is None
+    assert final["ign"].outputs[0].token_ids == ref
+    assert final["len"].outputs[0].token_ids == ref[:3]
+    assert final["len"].outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [10], seed=10)[0]
+    ref = hf_greedy(tiny["hf"], prompt, 12)
+    stop_id = ref[6]
+    engine = make_engine(tiny, backend)
+    engine.add_request("s", None, greedy(12, stop_token_ids=[stop_id]), prompt_token_ids=prompt)
+    out = run_all(engine)["s"].outputs[0]
+    k = ref.index(stop_id)
+    assert out.token_ids == ref[:k + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    tok = tiny["tokenizer"]
+    assert out.text == tok.decode(ref[:k], skip_special_tokens=True)   # stop token's text left out
+
+
+def test_stop_strings_truncate_and_hold_back(tiny, backend):
+    tok = tiny["tokenizer"]
+    prompt = tok.encode("The capital of France is")
+    engine = make_engine(tiny, backend)
+    engine.add_request("full", None, greedy(40), prompt_token_ids=prompt)
+    full = run_all(engine)["full"].outputs[0].text
+    assert len(full) > 12
+    stop = full[8:11]
+    idx = full.find(stop)
+    engine = make_engine(tiny, backend)
+    engine.add_request("s", None, greedy(40, stop=[stop, "\x00never"]), prompt_token_ids=prompt)
+    texts = []
+    final = run_all(engine, on_step=None)
+    out = final["s"].outputs[0]
+    assert out.text == full[:idx]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    # streamed texts never contain the stop string (they are prefixes of the final text)
+    engine = make_engine(tiny, backend)
+    engine.add_request("t", None, greedy(40, stop=stop), prompt_token_ids=prompt)
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert all(full[:idx].startswith(t) for t in texts) and texts[-1] == full[:idx]
+
+
+def test_incremental_text_equals_full_decode(tiny, backend):
+    tok = tiny["tokenizer"]
+    engine = make_engine(tiny, backend)
+    prompts = ["Hello world!", "Paged attention stores", "0123"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(30))
+    final = run_all(engine)
+    for i, p in enumerate(prompts):
+        out = final[f"r{i}"]
+        assert out.prompt == p and out.prompt_token_ids == tok.encode(p)
+        c = out.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------- prefix caching
+def test_prefix_cache_hit_is_not_recomputed(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [100], seed=11)[0]
+    ref = hf_greedy(tiny["hf"], prompt, 10)
+    engine = make_engine(tiny, backend)
+    engine.add_request("first", None, greedy(10), prompt_token_ids=prompt)
+    first = run_all(engine)["first"]
+    computed_before = engine.get_stats().num_prompt_tokens_total
+    engine.add_request("second", None, greedy(10), prompt_token_ids=prompt)
+    second = run_all(engine)["second"]
+    stats = engine.get_stats()
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens > 0 and second.num_cached_tokens % 8 == 0
+    assert stats.num_prompt_tokens_total - computed_before == len(prompt) - second.num_cached_tokens
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == ref
+    assert stats.prefix_hit_rate > 0
+
+
+def test_prefix_caching_disabled(tiny, backend):
+    prompt = random_prompts(len(tiny["tokenizer"]), [64], seed=12)[0]
+    engine = make_engine(tiny, backend, enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        engine.add_request(rid, None, greedy(4), prompt_token_ids=prompt)
+        assert run_all(engine)[rid].num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------------- validation, stats, metrics
+def test_request_validation(tiny, backend):
+    engine = make_engine(tiny, backend, max_model_len=32)
+    with pytest.raises(PromptTooLongError, match="32") as e:
+        engine.add_request("long", None, greedy(4), prompt_token_ids=[5] * 32)
+    assert (e.value.prompt_len, e.value.max_model_len) == (32, 32)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", "", greedy(4))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", None, greedy(4), prompt_token_ids=[])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("v", None, greedy(4), prompt_token_ids=[10 ** 6])
+    engine.add_request("dup", None, greedy(4), prompt_token_ids=[5, 6])
+    with pytest.raises(ValueError, match="dup"):
+        engine.add_request("dup", None, greedy(4), prompt_token_ids=[5, 6])
+    # max_model_len caps the output: 31 prompt tokens leave room for one
+    engine.add_request("edge", None, greedy(10), prompt_token_ids=[5] * 31)
+    final = run_all(engine)
+    assert len(final["edge"].outputs[0].token_ids) == 1
+    assert final["edge"].outputs[0].finish_reason == "length"
+
+
+def test_budget_too_small_for_max_model_len_is_rejected(tiny, backend):
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_engine(tiny, backend, memory_bytes=64 * BYTES_PER_TOKEN, max_model_len=256)
+
+
+def test_metrics_and_stats(tiny, backend):
+    engine = make_engine(tiny, backend)
+    engine.add_request("m", None, greedy(5), prompt_token_ids=[5, 6, 7], arrival_time=1.0)
+    out = run_all(engine)["m"]
+    m = out.metrics
+    assert m.arrival_time == 1.0
+    assert m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert len(m.token_times) == 5
+    s = engine.get_stats()
+    assert s.num_steps == 5 and s.num_generation_tokens_total == 5 and s.num_finished_total == 1
+    assert s.step_time_s_total >= s.last_step_time_s > 0
+    assert s.max_concurrent_seqs == 1
+
+
+def test_chat_template_and_offline_llm(tiny, backend):
+    from vmkv import LLM, SamplingParams as SP
+
+    opts = dict(BACKENDS[backend])
+    llm = LLM(tiny["path"], device="cpu", max_model_len=256, memory_bytes=512 * BYTES_PER_TOKEN,
+              **opts)
+    tok = tiny["tokenizer"]
+    msgs = [{"role": "user", "content": "Hello world!"}]
+    outs = llm.chat(msgs, SP(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    want = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)
+    assert outs[0].prompt_token_ids == want
+    assert outs[0].outputs[0].token_ids == hf_greedy(tiny["hf"], want, 6)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}], SP(temperature=0, max_tokens=3),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello", None]
+    assert [len(o.outputs[0].token_ids) <= 3 for o in outs] == [True, True]
+    with pytest.raises(ValueError):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(ValueError):
+        llm.generate([1, 2, 3])
+    assert not llm.engine.has_unfinished_requests()

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["LoadedModel", "load_model", "random_model", "resolve_device", "resolve_dtype",
            "ProgressFn"]
 
-#: ``progress(stage, done, total)``; stages: ``"download"``, ``"weights"``, ``"tokenizer"``
+#: ``progress(stage, done, total)``; stages: ``"download"``, ``"extract"`` (bytes), ``"weights"``
+#: (tensors or shards), ``"tokenizer"``
 ProgressFn = Callable[[str, int, int], None]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

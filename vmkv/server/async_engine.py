@@ -110,14 +110,17 @@ class AsyncEngine:
         engine: the engine; after :meth:`start` only the engine thread touches it.
         on_finished: optional callback ``f(output)`` run on the engine thread for every request that
             finishes (including aborted ones); used for metrics.  Exceptions in it are logged.
+        close_engine_on_shutdown: call ``engine.close()`` (releases the KV memory) when the engine
+            thread stops.
 
     Use :meth:`start` inside a running event loop, then :meth:`add_request` / :meth:`generate`, and
     :meth:`shutdown` at the end.
     """
 
-    def __init__(self, engine: "LLMEngine", *, on_finished: Callable[["RequestOutput"], None] | None = None
-                 ) -> None:
+    def __init__(self, engine: "LLMEngine", *, on_finished: Callable[["RequestOutput"], None] | None = None,
+                 close_engine_on_shutdown: bool = True) -> None:
         self.engine = engine
+        self.close_engine_on_shutdown = close_engine_on_shutdown
         self.on_finished = on_finished
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
             queue.SimpleQueue()
@@ -312,6 +315,11 @@ class AsyncEngine:
             stream._put(_CLOSED)
         self._streams.clear()
         self._fail_pending(EngineShutdownError("engine shut down"))
+        if self.close_engine_on_shutdown and hasattr(self.engine, "close"):
+            try:
+                self.engine.close()
+            except Exception:  # noqa: BLE001
+                logger.exception("engine.close() failed")
         logger.info("engine thread stopped")
 
     def _fail_pending(self, err: BaseException) -> None:

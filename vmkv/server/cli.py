@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import logging
 import re
+import signal
 import sys
 from typing import Any
 
@@ -139,7 +140,30 @@ def run(args: argparse.Namespace) -> int:
           f"listening on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_timeout, access_log=False)
-    server = uvicorn.Server(config)
-    server.run()  # installs SIGINT/SIGTERM handlers: graceful shutdown, then the lifespan stops the engine
-    print("vmkv serve: stopped", flush=True)
+    server = _server_class()(config)
+    server.run()  # SIGINT/SIGTERM: graceful shutdown, then the app's lifespan stops the engine thread
+    if server.received_signal is not None:
+        print(f"vmkv serve: stopped ({signal.Signals(server.received_signal).name})", flush=True)
+    else:
+        print("vmkv serve: stopped", flush=True)
     return 0 if server.started else 1
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class _GracefulServer(uvicorn.Server):
+        """uvicorn's server, but a SIGINT/SIGTERM that led to a graceful shutdown ends with exit status 0
+        instead of being re-raised (uvicorn re-raises it after shutting down); a second SIGINT still
+        forces the exit."""
+
+        received_signal: int | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.received_signal = sig
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    return _GracefulServer

@@ -1,0 +1,515 @@
+"""End-to-end tests of the OpenAI-compatible server (``vmkv serve``), on both KV backends.
+
+A tiny random Llama (transformers ``save_pretrained``) with a word-level tokenizer and a ChatML chat
+template is written to a temp dir; the real app is served by uvicorn on 127.0.0.1 (a thread of this
+process, or ``python -m vmkv.cli serve`` for the CLI test) and driven with the official ``openai``
+client and raw ``httpx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MAX_MODEL_LEN = 128
+MAX_NUM_SEQS = 16
+SERVED = "tiny-llama"
+
+_WORDS = (
+    "the a of to and in is it you that he was for on are with as I his they be at one have this from or "
+    "had by hot word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long make thing "
+    "see him two has look more day could go come did number sound no most people my over know water than "
+    "call first who may down side been now find any new work part take get place made live where after "
+    "back little only round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right boy old too same "
+    "tell does set three want air well also play small end put home read hand port large spell add even "
+    "land here must big high such follow act why ask men change went light kind off need house picture try "
+    "us again animal point mother world near build self earth father Paris France capital"
+).split()
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama (GQA 4/2 heads, vocab ~210) with tokenizer and chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    special = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(special + _WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """The real app on uvicorn in a background thread."""
+
+    def __init__(self, model_dir: Path, backend: str) -> None:
+        import uvicorn
+
+        from vmkv.engine.llm_engine import LLMEngine
+        from vmkv.server.app import build_app
+        from vmkv.server.async_engine import AsyncEngine
+
+        knobs = {"driver": "host"} if backend == "vmem" else {}
+        self.engine = LLMEngine.from_args(str(model_dir), kv_backend=backend, device="cpu", dtype="float32",
+                                          max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                                          memory_bytes=4 << 20, **knobs)
+        self.backend = backend
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        app = build_app(AsyncEngine(self.engine), SERVED)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    @contextlib.contextmanager
+    def slowed(self, step_delay_s: float):
+        """Make every engine step take ``step_delay_s`` longer (a slower model), so a request is
+        reliably still running when the client leaves."""
+        real_step = self.engine.step
+
+        def slow_step():
+            time.sleep(step_delay_s)
+            return real_step()
+
+        self.engine.step = slow_step
+        try:
+            yield
+        finally:
+            del self.engine.step
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics, plus labelled ones keyed by their full text name."""
+        text = httpx.get(self.base + "/metrics").text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_kv_idle(self, timeout_s: float = 15.0) -> dict[str, float]:
+        deadline = time.time() + timeout_s
+        while True:
+            m = self.metrics()
+            if m["vmkv_kv_used_tokens"] == 0 and m["vmkv_num_requests_running"] == 0 \
+                    and m["vmkv_num_requests_waiting"] == 0:
+                return m
+            assert time.time() < deadline, f"KV still in use: {m['vmkv_kv_used_tokens']} tokens"
+            time.sleep(0.05)
+
+    def assert_alive(self) -> None:
+        """The server still serves real work."""
+        r = self.client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+@pytest.fixture(scope="module", params=["paged", "vmem"])
+def server(request, tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, request.param)
+    yield srv
+    srv.stop()
+    assert not srv.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+CHAT = [{"role": "system", "content": "you are a good help"}, {"role": "user", "content": "what is the capital of France"}]
+
+
+def _chat_prompt_len(tokenizer) -> int:
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+# ---------------------------------------------------------------------------- basics
+def test_models_health_and_metrics_format(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [SERVED]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.base + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert f'vmkv_server_info{{backend="{server.backend}",model="{SERVED}"}} 1.0' in r.text
+    m = server.metrics()
+    for name in ("vmkv_kv_used_tokens", "vmkv_kv_allocated_bytes", "vmkv_kv_mapped_bytes", "vmkv_kv_waste_bytes",
+                 "vmkv_kv_capacity_bytes", "vmkv_num_requests_running", "vmkv_num_requests_waiting",
+                 "vmkv_num_preemptions_total", "vmkv_prefix_cache_hit_rate"):
+        assert name in m, name
+    assert m["vmkv_kv_capacity_bytes"] > 0
+
+
+def test_chat_completion(server, tokenizer):
+    r = server.client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == SERVED
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert isinstance(choice.message.content, str) and len(choice.message.content.split()) >= 1
+    assert r.usage.prompt_tokens == _chat_prompt_len(tokenizer)
+    assert r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    # max_completion_tokens is the newer name of max_tokens and wins over it
+    r2 = server.client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=3, max_tokens=9,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert r2.usage.completion_tokens == 3 and r2.choices[0].finish_reason == "length"
+    # greedy decoding is deterministic: the 3 tokens are the start of the 6
+    assert r.choices[0].message.content.startswith(r2.choices[0].message.content)
+
+
+def test_chat_streaming_matches_non_streamed(server):
+    full = server.client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=8, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    chunks = list(server.client.chat.completions.create(
+        model=SERVED, messages=CHAT, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 8
+    assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in content_chunks)
+    assert [c.choices[0].finish_reason for c in content_chunks].count("length") == 1
+    assert content_chunks[-1].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in content_chunks)
+    assert text == full.choices[0].message.content
+    assert len(content_chunks) >= 3  # role chunk + several token chunks: really streamed
+
+
+def test_raw_sse_wire_format(server):
+    body = {"model": SERVED, "messages": CHAT, "max_tokens": 3, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_text_completion_and_stream(server, tokenizer):
+    prompt = "the capital of France is"
+    r = server.client.completions.create(model=SERVED, prompt=prompt, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt)) and r.usage.completion_tokens == 5
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(server.client.completions.create(model=SERVED, prompt=prompt, max_tokens=5, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # default max_tokens of /v1/completions is 16 (OpenAI's default)
+    d = server.client.completions.create(model=SERVED, prompt=prompt, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert d.usage.completion_tokens == 16
+    # token-id prompts and prompt batches
+    ids = tokenizer.encode(prompt)
+    b = server.client.completions.create(model=SERVED, prompt=[ids, ids[:2]], max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in b.choices] == [0, 1]
+    assert b.choices[0].text == r.choices[0].text
+    assert b.usage.prompt_tokens == len(ids) + 2 and b.usage.completion_tokens == 10
+
+
+def test_n_2(server):
+    r = server.client.chat.completions.create(model=SERVED, messages=CHAT, n=2, max_tokens=6, temperature=1.0,
+                                              seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == r.usage.prompt_tokens  # counted once per prompt, not per choice
+    # streamed n=2: each choice gets its role chunk, its content and exactly one finish_reason
+    stream = server.client.completions.create(model=SERVED, prompt="the capital of France", n=2, max_tokens=4,
+                                              temperature=1.0, seed=7, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True})
+    texts, finishes, usage = {0: "", 1: ""}, {0: [], 1: []}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index].append(c.finish_reason)
+    assert finishes == {0: ["length"], 1: ["length"]}
+    assert all(len(t.split()) >= 1 for t in texts.values())
+    assert usage is not None and usage.completion_tokens == 8
+
+
+def test_stop_strings(server):
+    base = server.client.completions.create(model=SERVED, prompt="the capital of France", max_tokens=12,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    words = text.split()
+    assert len(words) >= 4
+    stop = " " + words[2]
+    expected = text[: text.index(stop)]
+    r = server.client.completions.create(model=SERVED, prompt="the capital of France", max_tokens=12,
+                                         temperature=0, stop=[stop, "zzz never"], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == expected and stop not in r.choices[0].text
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    # streamed: the held-back text never leaks the stop string
+    chunks = list(server.client.completions.create(model=SERVED, prompt="the capital of France", max_tokens=12,
+                                                   temperature=0, stop=stop, stream=True,
+                                                   extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------------- errors
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+_MSG = [{"role": "user", "content": "hello"}]
+ERROR_CASES = [
+    # (id, url, raw body or JSON, status, param, code)
+    ("negative_max_tokens", CHAT_URL, {"messages": _MSG, "max_tokens": -5}, 400, "max_tokens", "invalid_value"),
+    ("zero_max_tokens", COMPLETIONS_URL, {"prompt": "the", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("absurd_max_tokens", CHAT_URL, {"messages": _MSG, "max_tokens": 10**9}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("absurd_max_completion_tokens", CHAT_URL, {"messages": _MSG, "max_completion_tokens": 10**6}, 400,
+     "max_completion_tokens", "context_length_exceeded"),
+    ("huge_int_max_tokens", COMPLETIONS_URL, {"prompt": "the", "max_tokens": 10**30}, 400, "max_tokens",
+     "invalid_value"),
+    ("temperature_high", CHAT_URL, {"messages": _MSG, "temperature": 5}, 400, "temperature", "invalid_value"),
+    ("temperature_negative", COMPLETIONS_URL, {"prompt": "the", "temperature": -0.1}, 400, "temperature",
+     "invalid_value"),
+    ("top_p_zero", CHAT_URL, {"messages": _MSG, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("n_zero", CHAT_URL, {"messages": _MSG, "n": 0}, 400, "n", "invalid_value"),
+    ("empty_messages", CHAT_URL, {"messages": []}, 400, "messages", "invalid_value"),
+    ("missing_messages", CHAT_URL, {"model": SERVED}, 400, "messages", "missing_required_parameter"),
+    ("bad_role", CHAT_URL, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role",
+     "invalid_value"),
+    ("temperature_string", CHAT_URL, {"messages": _MSG, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("max_tokens_string", CHAT_URL, {"messages": _MSG, "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ("stream_string", CHAT_URL, {"messages": _MSG, "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("messages_not_list", CHAT_URL, {"messages": "hello"}, 400, "messages", "invalid_type"),
+    ("prompt_number", COMPLETIONS_URL, {"prompt": 5}, 400, "prompt", "invalid_type"),
+    ("empty_prompt", COMPLETIONS_URL, {"prompt": ""}, 400, "prompt", "invalid_value"),
+    ("token_id_out_of_vocab", COMPLETIONS_URL, {"prompt": [1, 10**6]}, 400, "prompt", "invalid_value"),
+    ("non_json", CHAT_URL, b"{this is not json", 400, None, "invalid_json"),
+    ("json_array_body", CHAT_URL, b"[1, 2, 3]", 400, None, "invalid_type"),
+    ("empty_body", COMPLETIONS_URL, b"", 400, None, "invalid_json"),
+    ("unknown_model_chat", CHAT_URL, {"model": "gpt-17", "messages": _MSG}, 404, "model", "model_not_found"),
+    ("unknown_model_completion", COMPLETIONS_URL, {"model": "gpt-17", "prompt": "the"}, 404, "model",
+     "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_error_cases(server, case):
+    _, url, body, status, param, code = case
+    if isinstance(body, bytes):
+        r = httpx.post(server.base + url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.base + url, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param and err["code"] == code, err
+    server.assert_alive()
+
+
+def test_errors_through_openai_client(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=SERVED, messages=_MSG, temperature=3)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.chat.completions.create(model="no-such-model", messages=_MSG)
+    assert "no-such-model" in e.value.message and e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=SERVED, messages=[])
+    with pytest.raises(openai.BadRequestError) as e:  # streaming requests fail before the stream starts
+        server.client.chat.completions.create(model=SERVED, messages=_MSG, max_tokens=-1, stream=True)
+    assert e.value.body["param"] == "max_tokens"
+    server.assert_alive()
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_prompt_longer_than_context(server, endpoint):
+    long_text = " ".join(["water"] * 200)  # 200 tokens > MAX_MODEL_LEN
+    with pytest.raises(openai.BadRequestError) as e:
+        if endpoint == "chat":
+            server.client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": long_text}])
+        else:
+            server.client.completions.create(model=SERVED, prompt=long_text, stream=True)
+    msg = e.value.message
+    assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in msg
+    prompt_len = int(re.search(r"prompt has (\d+) tokens", msg).group(1))
+    assert prompt_len >= 200
+    # prompt fits but prompt + max_tokens does not: 400 naming both lengths
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=SERVED, prompt=" ".join(["water"] * 100), max_tokens=50)
+    assert "100 in the prompt" in e.value.message and "50 for the completion" in e.value.message
+    server.assert_alive()
+    server.wait_kv_idle()
+
+
+# ---------------------------------------------------------------------------- disconnects and load
+def test_client_disconnect_mid_stream_frees_kv(server):
+    before = server.metrics().get('vmkv_requests_finished_total{finish_reason="abort"}', 0.0)
+    body = {"model": SERVED, "messages": CHAT, "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with server.slowed(0.02), httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.base + CHAT_URL, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(8)]  # role chunk + a few tokens (with blank separators)
+            assert sum(1 for g in got if g.startswith("data: {")) >= 3
+            live = server.metrics()
+            assert live["vmkv_kv_used_tokens"] > 0 and live["vmkv_num_requests_running"] == 1
+        # leaving the block closes the connection mid-stream
+    m = server.wait_kv_idle()
+    assert m["vmkv_kv_used_tokens"] == 0 and m["vmkv_kv_num_seqs"] == 0
+    assert m['vmkv_requests_finished_total{finish_reason="abort"}'] == before + 1
+    server.assert_alive()
+
+
+def test_client_disconnect_non_streamed_aborts(server):
+    before = server.metrics().get('vmkv_requests_finished_total{finish_reason="abort"}', 0.0)
+    with server.slowed(0.02), pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base + CHAT_URL, json={"messages": CHAT, "max_tokens": 100, "ignore_eos": True},
+                   timeout=0.3)
+    deadline = time.time() + 15
+    while server.metrics().get('vmkv_requests_finished_total{finish_reason="abort"}', 0.0) < before + 1:
+        assert time.time() < deadline, "non-streamed request was not aborted after the client left"
+        time.sleep(0.05)
+    server.wait_kv_idle()
+
+
+def test_32_concurrent_streams(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+        stream = await client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": f"tell me a word {i}"}], max_tokens=8,
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        text, finish, tokens = "", None, -1
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        return text, finish, tokens
+
+    async def main() -> list:
+        async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120, http_client=None) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    steps_before = server.metrics()["vmkv_engine_steps_total"]
+    results = asyncio.run(main())
+    assert len(results) == 32
+    assert all(finish == "length" and tokens == 8 and text for text, finish, tokens in results)
+    m = server.wait_kv_idle()
+    assert m["vmkv_kv_used_tokens"] == 0 and m["vmkv_num_requests_running"] == 0
+    assert m["vmkv_max_concurrent_seqs"] > 1  # continuous batching across HTTP requests
+    # 32 x 8 tokens in far fewer than 256 steps: requests shared steps
+    assert m["vmkv_engine_steps_total"] - steps_before < 32 * 8 / 2
+    assert m["vmkv_time_to_first_token_seconds_count"] >= 32
+    assert m["vmkv_inter_token_latency_seconds_count"] >= 32 * 7
+
+
+# ---------------------------------------------------------------------------- the CLI
+@pytest.mark.slow
+def test_cli_serve_and_sigterm(tiny_model_dir):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--backend", "paged",
+           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
+           "--memory-bytes", "2MiB", "--device", "cpu", "--served-model-name", SERVED, "--graceful-timeout", "1",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        # SIGTERM while a long stream is running: the stream ends (finished, or cut after the graceful
+        # timeout), and the process exits cleanly
+        with httpx.stream("POST", base + CHAT_URL, timeout=30,
+                          json={"messages": CHAT, "max_tokens": 100, "ignore_eos": True, "stream": True}) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                for _ in lines:
+                    pass
+            except httpx.HTTPError:  # the server closed the connection after --graceful-timeout
+                pass
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "listening on http://127.0.0.1" in out and "vmkv serve: stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from vmkv.compare import report
-from vmkv.compare.metrics import inter_token_latencies, percentile
+from vmkv.compare.metrics import inter_token_latencies
 
 __all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows"]
 
@@ -24,23 +24,9 @@ def _ok(runs: list[dict]) -> list[dict]:
 
 
 def vmm_latency(run: dict) -> dict:
-    """Map/unmap latency percentiles (us) from the vmem cache's ``vmm_stats()`` taken after the run.
-
-    Accepts ``{"map_us": {"p50":..,"p99":..}}`` summaries or raw sample lists ``{"map_us": [...]}``
-    (samples taken before the run, during warm-up, are dropped when the list grew).
-    """
-    after = (run.get("allocation") or {}).get("vmm_after") or {}
-    before = (run.get("allocation") or {}).get("vmm_before") or {}
-    out = {}
-    for key in ("map_us", "unmap_us"):
-        v = after.get(key)
-        if isinstance(v, dict):
-            out[key] = {"p50": v.get("p50"), "p99": v.get("p99"), "n": v.get("n", v.get("count"))}
-        elif isinstance(v, list):
-            old = before.get(key)
-            samples = v[len(old):] if isinstance(old, list) and len(old) <= len(v) else v
-            out[key] = {"p50": percentile(samples, 50), "p99": percentile(samples, 99), "n": len(samples)}
-    return out
+    """``{"map_us": {...}, "unmap_us": {...}}`` latency summaries (us) of the measured run (vmem only)."""
+    vmm = (run.get("allocation") or {}).get("vmm") or {}
+    return {k: vmm[k] for k in ("map_us", "unmap_us") if isinstance(vmm.get(k), dict) and vmm[k].get("n")}
 
 
 def _pair(d: dict | None) -> str:

@@ -120,11 +120,32 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
 
 
 def _vmm_stats(kv_cache) -> dict | None:
+    """The vmem cache's ``vmm_stats()`` plus its raw map/unmap latency samples (us); None for paged."""
     fn = getattr(kv_cache, "vmm_stats", None)
     if not callable(fn):
         return None
-    stats = fn()
-    return stats if isinstance(stats, dict) else {"value": stats}
+    stats = dict(fn())
+    samples = getattr(kv_cache, "map_latency_samples_us", None)
+    if callable(samples):
+        stats["map_us"], stats["unmap_us"] = (list(x) for x in samples())
+    return stats
+
+
+def _vmm_delta(before: dict | None, after: dict | None) -> tuple[dict | None, dict]:
+    """Counts and latency summaries of the measured run only (warm-up excluded); raw samples apart."""
+    if after is None:
+        return None, {}
+    before = before or {}
+    out = {k: v for k, v in after.items() if k not in ("map_us", "unmap_us")}
+    raw = {}
+    for key, count in (("map_us", "num_maps"), ("unmap_us", "num_unmaps")):
+        new = int(after.get(count, 0)) - int(before.get(count, 0))
+        out[count + "_run"] = new
+        samples = after.get(key, [])
+        samples = samples[len(samples) - min(new, len(samples)):] if new > 0 else []
+        raw[key] = [round(x, 3) for x in samples]
+        out[key] = summarize(samples)
+    return out, raw
 
 
 def run_worker(cfg: dict, progress=_emit) -> dict:
@@ -215,6 +236,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "device_used_bytes_peak": int(max(cols["device_used_bytes"], default=0)),
         "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
     }
+    vmm, vmm_raw = _vmm_delta(vmm0, vmm1)
     alloc_steps = np.asarray(cols["alloc_s"], dtype=np.float64) * 1e6
     allocation = {
         "alloc_time_s": alloc_s,
@@ -222,8 +244,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "alloc_share_pct": 100 * alloc_s / step_s if step_s else 0.0,
         "alloc_us_per_step": summarize(alloc_steps),
         "forward_time_s": getattr(engine.runner, "forward_time_s_total", 0.0) - fwd0,
-        "vmm_before": vmm0,
-        "vmm_after": vmm1,
+        "vmm": vmm,
     }
     timing = {"load_s": load_s, "warmup_s": warmup_s, "run_s": end - start, "num_steps": num_steps,
               "step_ms": summarize(cols["step_s"], 1e3), "sample_overhead_s": sampler.overhead_s}
@@ -248,7 +269,8 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "timing": timing,
         "output_len_mismatches": mismatches,
         "finish_reasons": dict(reasons),
-        "raw": {"requests": [_raw_record(rec, start, by_id[rec.request_id]) for rec in records], "steps": cols},
+        "raw": {"requests": [_raw_record(rec, start, by_id[rec.request_id]) for rec in records], "steps": cols,
+                "vmm_samples_us": vmm_raw},
     }
     engine.close()
     return result

@@ -1,0 +1,92 @@
+"""`vmkv compare engine` end to end on the `tiny` random-weight shape, both backends, CPU."""
+
+import json
+
+import pytest
+
+from vmkv.cli import main
+from vmkv.compare import engine_bench
+from vmkv.compare.workloads import WorkloadSpec, generate
+
+
+@pytest.mark.slow
+def test_compare_engine_tiny_both_backends(tmp_path):
+    out = tmp_path / "res"
+    rc = main(["compare", "engine", "--backends", "paged,vmem", "--model", "tiny", "--device", "cpu",
+               "--num-requests", "4", "--input-len", "8..40", "--output-len", "3..6", "--warmup-requests", "1",
+               "--torch-threads", "1", "--max-num-seqs", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    runs = {r["backend"]: r for r in res["runs"]}
+    assert set(runs) == {"paged", "vmem"}
+    expected = generate(WorkloadSpec(num_requests=4, input_len="8..40", output_len="3..6"), 512)
+    assert res["max_model_len"] == 256  # longest prompt + output, rounded up to 256
+    assert len({r["workload_fingerprint"] for r in runs.values()}) == 1
+    bpt = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x 2 KV heads x 16 dims x fp32, K and V
+    for backend, r in runs.items():
+        assert r["model"]["kind"] == "random-weights" and r["model"]["name"] == "random-tiny"
+        s = r["serving"]
+        assert s["completed"] == 4 and s["failed"] == 0 and r["output_len_mismatches"] == 0
+        assert s["total_output_tokens"] == sum(q.output_len for q in expected)
+        assert s["total_input_tokens"] == sum(q.prompt_len for q in expected)
+        assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
+        m = r["memory"]
+        assert r["kv_bytes_per_token"] == bpt
+        assert m["peak_used_tokens"] > 0 and m["peak_allocated_bytes"] >= m["peak_used_tokens"] * bpt
+        assert m["peak_mapped_bytes"] >= m["peak_allocated_bytes"] and 0 <= m["waste_pct_mean"] < 100
+        assert 1 <= m["max_concurrent_seqs"] <= 4 and m["preemptions"] == 0
+        assert r["allocation"]["step_time_s"] > r["allocation"]["alloc_time_s"] >= 0
+        raw = json.loads((out / r["raw_file"]).read_text())["raw"]
+        assert len(raw["requests"]) == 4 and len(raw["steps"]["t_s"]) == r["timing"]["num_steps"]
+    vmm = runs["vmem"]["allocation"]["vmm"]
+    assert vmm["num_maps_run"] > 0 and vmm["map_us"]["n"] == vmm["num_maps_run"]
+    assert runs["paged"]["allocation"]["vmm"] is None
+    assert (out / "summary.md").read_text().count("| offline |") >= 3
+    assert (out / "latency_cdf_offline.png").stat().st_size > 0 and (out / "kv_memory_offline.png").exists()
+
+
+def _fake_worker(calls):
+    def fake(cfg, out_dir, prog, task, timeout_s, threads):
+        calls.append(cfg)
+        rate = cfg["workload"]["request_rate"]
+        return {"backend": cfg["backend"], "scenario": cfg["scenario"],
+                "serving": {"request_throughput": 10.0 if cfg["backend"] == "paged" else 12.0},
+                "config": cfg, "rate": rate}
+    return fake
+
+
+def test_relative_rates_use_first_backend_offline_throughput(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(engine_bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr("vmkv.compare.engine_report.render", lambda *a, **k: None)
+    rc = main(["compare", "engine", "--model", "tiny", "--request-rate", "0.5x,2,inf", "--num-requests", "3",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    order = [(c["scenario"], c["backend"]) for c in calls]
+    assert order == [("offline", "paged"), ("offline", "vmem"), ("rate-2", "paged"), ("rate-2", "vmem"),
+                     ("rate-5", "paged"), ("rate-5", "vmem")]
+    assert calls[-1]["workload"]["request_rate"] == 5.0 and calls[-1]["rate_spec"] == "0.5x"
+    assert all(c["knobs"]["random_weights"] == "tiny" and c["model"] is None for c in calls)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["environment"]["command"].startswith("vmkv compare engine") or res["environment"]["command"]
+
+
+def test_relative_rate_without_offline_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine_bench, "_run_worker", _fake_worker([]))
+    assert main(["compare", "engine", "--model", "tiny", "--request-rate", "0.5x", "--out", str(tmp_path)]) == 2
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"runs": [{"scenario": "offline", "backend": "paged",
+                                          "serving": {"request_throughput": 4.0}}]}))
+    calls = []
+    monkeypatch.setattr(engine_bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr("vmkv.compare.engine_report.render", lambda *a, **k: None)
+    assert main(["compare", "engine", "--model", "tiny", "--request-rate", "0.25x", "--reference", str(ref),
+                 "--out", str(tmp_path / "b")]) == 0
+    assert {c["workload"]["request_rate"] for c in calls} == {1.0}
+
+
+def test_parse_rates():
+    assert engine_bench.parse_rates("inf, 2,0.5X") == ["inf", "2", "0.5x"]
+    for bad in ("", "fast", "0", "-1x"):
+        with pytest.raises(ValueError):
+            engine_bench.parse_rates(bad)

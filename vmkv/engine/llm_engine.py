@@ -55,13 +55,17 @@ class LLMEngine:
 
     Args:
         config: :class:`~vmkv.engine.config.EngineConfig`.
+        loaded: an already loaded :class:`vmkv.model.LoadedModel` to use instead of loading
+            ``config.model`` (tests, several engines on one model).
+        progress: ``progress(stage, done, total)`` callback passed to ``vmkv.model.load_model``.
     Raises:
         ValueError: ``max_model_len`` above the model's context, or a KV budget that cannot hold
             one sequence of ``max_model_len`` tokens (the message says what to change).
     """
 
-    def __init__(self, config: EngineConfig, *, loaded=None) -> None:
+    def __init__(self, config: EngineConfig, *, loaded=None, progress=None) -> None:
         self.config = config
+        self._progress = progress
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None:
@@ -122,7 +126,8 @@ class LLMEngine:
         if self.config.random_weights:
             return model_pkg.random_model(self.config.random_weights, device=str(self.device),
                                           dtype=self.dtype, seed=self.config.seed)
-        return model_pkg.load_model(self.config.model, device=str(self.device), dtype=self.dtype)
+        return model_pkg.load_model(self.config.model, device=str(self.device), dtype=self.dtype,
+                                    progress=self._progress)
 
     def _resolve_max_model_len(self) -> int:
         ctx = self.model_config.max_position_embeddings

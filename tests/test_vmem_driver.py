@@ -97,7 +97,7 @@ def test_copy_page(drv):
 def test_errors_name_the_call(drv):
     va = drv.reserve(2 * PAGE)
     page = drv.create_page()
-    with pytest.raises(VMMError, match=r"^mmap failed: EINVAL .*not aligned") as e:
+    with pytest.raises(VMMError, match=r"^mmap failed: EINVAL .*not on a page boundary") as e:
         drv.map(va + 8, page)
     assert e.value.call == "mmap" and e.value.code == "EINVAL"
     with pytest.raises(VMMError, match="not inside a reservation"):

@@ -219,13 +219,16 @@ class VMemKVCache(KVCache):
             seq.num_registered += 1
 
     def _pick_slot(self, free: list[Slot], num_units: int, hits: list) -> Slot:
-        """Best fit: most prefix-hit units already in place, then the kept mapping closest to
-        ``num_units`` from above (else the largest below), then the lowest index."""
+        """Best fit among free slots: most prefix-hit units already in place; then fewest cached
+        prefix pages the request would overwrite; then the kept mapping closest to ``num_units``
+        from above (else the largest below); then the lowest index."""
         def key(s: Slot):
             matched = sum(1 for u, pages in enumerate(hits) if s.units.get(u) == list(pages))
+            overwritten = sum(1 for u in range(len(hits), num_units) for p in s.units.get(u, ())
+                              if p is not None and self.prefix.is_hashed(p) and self.mapper.refcount(p) == 1)
             kept = len(s.units)
             fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
-            return (-matched, fit, s.index)
+            return (-matched, overwritten, fit, s.index)
         return min(free, key=key)
 
     # ------------------------------------------------------------------ lifecycle

@@ -167,11 +167,12 @@ class VMMDriver(abc.ABC):
         raise self._invalid(op, f"[{va:#x}, {va + nbytes:#x}) is not inside a reservation")
 
     def map(self, va: int, handle: int) -> None:
-        """Back the page at ``va`` (page aligned, inside a reservation, unmapped) with ``handle``."""
+        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``."""
         self._check_open("map")
-        if va % self.page_size_bytes:
-            raise self._invalid("map", f"va={va:#x} is not aligned to {self.page_size_bytes} bytes")
-        self._reservation_of("map", va, self.page_size_bytes)
+        start = self._reservation_of("map", va, self.page_size_bytes)
+        if (va - start) % self.page_size_bytes:
+            raise self._invalid("map", f"va={va:#x} is not on a page boundary of its reservation "
+                                       f"({start:#x} + k * {self.page_size_bytes})")
         if va in self._mappings:
             raise self._invalid("map", f"va={va:#x} is already mapped; unmap it first")
         if handle not in self._page_map_count:

@@ -108,31 +108,38 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    # merge the splits of one (sequence, query head): out = sum_i w_i o_i / sum_i w_i, w_i = 2^(lse_i - max)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    offs_k = tl.arange(0, SPLITS_PAD)
+    lse_row = part_lse_ptr + seq * stride_ls + head * stride_lh
+    offs_all = tl.arange(0, SPLITS_PAD)
+    m = tl.max(tl.load(lse_row + offs_all, mask=offs_all < num_splits, other=float("-inf")), 0)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_k = offs_k < num_splits
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + offs_k, mask=mask_k,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0; split 0 is never empty
-    po = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
-                 + offs_d[None, :], mask=mask_k[:, None] & mask_d[None, :], other=0.0)
-    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    denom = tl.zeros([CHUNK], tl.float32)
+    po_row = part_out_ptr + seq * stride_ps + head * stride_ph
+    for k0 in range(0, num_splits, CHUNK):
+        offs_k = k0 + tl.arange(0, CHUNK)
+        mask_k = offs_k < num_splits
+        w = tl.exp2(tl.load(lse_row + offs_k, mask=mask_k, other=float("-inf")) - m)  # empty split: 0
+        po = tl.load(po_row + offs_k[:, None] * stride_pk + offs_d[None, :],
+                     mask=mask_k[:, None] & mask_d[None, :], other=0.0)
+        acc += tl.sum(po * w[:, None], 0)
+        denom += w
+    o = acc / tl.sum(denom, 0)  # split 0 is never empty, so denom >= 1
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=mask_d)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      block_n: int, min_tokens_per_split: int = 256) -> int:
-    """Splits of the context so that ``num_seqs * num_kv_heads * splits`` fills about two waves of
-    programs on the device's SMs, with at least ``min_tokens_per_split`` tokens per split."""
+                      block_n: int, min_tokens_per_split: int = 256, waves: float = 2.0) -> int:
+    """Splits of the context so that ``num_seqs * num_kv_heads * splits`` fills about ``waves`` waves
+    of programs on the device's SMs, with at least ``min_tokens_per_split`` tokens per split."""
     programs = num_seqs * num_kv_heads
-    target = 2 * _checks.num_sms(device)
+    target = int(waves * _checks.num_sms(device))
     by_fill = -(-target // programs)
     by_length = max(1, max_seq_len // max(min_tokens_per_split, block_n))
     return max(1, min(by_fill, by_length, 256))
@@ -236,6 +243,6 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, _checks.next_pow2(num_splits)),
-            num_warps=4 if block_d >= 128 else 2,
+            CHUNK=min(16, max(2, _checks.next_pow2(num_splits))), num_warps=4 if block_d >= 128 else 2,
         )
     return out

@@ -203,6 +203,18 @@ def test_decode_dtypes_and_head_dims(dtype, head_dim):
     _assert_matches(out, cache.reference(q, [1] * len(lens), 0.3), dtype)
 
 
+def test_decode_many_splits_merge_in_chunks():
+    """19 splits: the merge kernel loops over chunks of 16; the short sequences have empty splits."""
+    gen = _gen(25)
+    lens = [300, 1, 17]
+    cache = Cache("megacache", lens, 1, 16, torch.float16, gen)
+    q = _randn(len(lens), 2, 16, dtype=torch.float16, gen=gen)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache.key, cache.value, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                     max_seq_len=300, scale=0.25, out=out, num_splits=19, block_n=16, **cache.kwargs())
+    _assert_matches(out, cache.reference(q, [1] * len(lens), 0.25), torch.float16)
+
+
 def test_decode_rejects_bad_inputs():
     gen = _gen(3)
     cache = Cache("paged4", [5, 7], 2, 16, torch.float16, gen)

@@ -1,0 +1,454 @@
+"""Kernel microbenchmarks: attention on paged blocks vs virtually contiguous vmem slots (issue 5).
+
+One run measures, on the same random K/V copied into every layout (BENCHMARKS.md):
+
+1. the device-to-device copy bandwidth (bytes read + written): the ceiling;
+2. decode attention (one query token per sequence) over a batch x context grid: our Triton kernel on a
+   paged cache (block sizes 16 and 256, shuffled physical blocks), on a vmem megacache (strided
+   per-layer views of ``[slots, max_model_len, layers, 2, H, D]``) and on per-layer slot tensors;
+   torch SDPA on contiguous ``[B, H, L, D]`` tensors and on both slot views; and
+   ``torch.nn.attention.flex_attention`` with a paged block mask (pages of ``--flex-page`` tokens);
+3. prefill attention (causal, one sequence of ``L`` tokens): our kernel on each layout vs SDPA's flash
+   backend on contiguous tensors and on slot views.
+
+Every variant is checked before it is timed: sequence 0 (decode) or the last 64 queries (prefill)
+against the float64 reference, and every element against SDPA.  Timing: ``triton.testing.do_bench``
+(median, L2 flushed before every repetition, quantiles 20/80 as the spread).  Writes
+``kernel_bench.json`` (environment, every point) ``kernel_bench.md`` and ``kernel_bench.png`` under
+``--out``.  Run: ``python compare/kernel_bench.py --tune --out DIR`` or ``vmkv compare kernels ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vmkv.kernels import reference as ref
+from vmkv.kernels.decode_attention import choose_num_splits, decode_attention
+from vmkv.kernels.prefill_attention import prefill_attention
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (block_n, num_warps, num_stages) for decode; (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill
+DECODE_TUNE = [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
+               (128, 8, 2), (128, 8, 3)]
+PREFILL_TUNE = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+                (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _points(text: str) -> list[tuple[int, int]]:
+    if text in ("", "none"):
+        return []
+    return [tuple(int(v) for v in p.split("x")) for p in text.split(",")]  # type: ignore[misc]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--out", default="kernel_bench_out", help="output folder for JSON, markdown and PNG")
+    a("--batches", default="1,4,16,64,128,256", help="decode batch sizes")
+    a("--contexts", default="512,1024,4096,8192,32768", help="decode context lengths (tokens)")
+    a("--max-tokens", type=int, default=2 * 1024 * 1024, help="skip decode points with batch*context above")
+    a("--prefill-contexts", default="1024,2048,4096,8192,16384,32768")
+    a("--block-sizes", default="16,256", help="paged block sizes (tokens)")
+    a("--flex-points", default="64x4096,1x4096,256x4096,64x32768",
+      help="BATCHxCONTEXT decode points that also run flex_attention ('none' to skip; each compiles)")
+    a("--flex-page", type=int, default=128, help="page size (tokens) of the flex_attention paged block mask")
+    a("--megacache-layers", type=int, default=32, help="layers of the megacache reservation (fewer if "
+      "--megacache-budget-gb is exceeded; recorded per point)")
+    a("--megacache-budget-gb", type=float, default=64.0)
+    a("--num-heads", type=int, default=32)
+    a("--num-kv-heads", type=int, default=8)
+    a("--head-dim", type=int, default=128)
+    a("--dtype", default="bf16", choices=sorted(DTYPES))
+    a("--rep-ms", type=int, default=50, help="do_bench repetition budget per variant (ms)")
+    a("--tune", action="store_true", help="sweep tile configs at batch 64 x 4096 (decode) and 8K (prefill) "
+      "first and use the best in the grid")
+    a("--seed", type=int, default=0)
+    a("--device", default="cuda", help="cuda (measurements) or cpu (functional smoke run, TRITON_INTERPRET=1)")
+
+
+class Timer:
+    """Median and 20/80 % quantiles in ms: do_bench on CUDA, wall clock on CPU (smoke runs only)."""
+
+    def __init__(self, device: torch.device, rep_ms: int) -> None:
+        self.device, self.rep_ms = device, rep_ms
+
+    def __call__(self, fn, rep_ms: int | None = None) -> dict:
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+            q = do_bench(fn, warmup=10, rep=rep_ms or self.rep_ms, quantiles=[0.2, 0.5, 0.8])
+            return {"ms": q[1], "p20_ms": q[0], "p80_ms": q[2]}
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return {"ms": times[len(times) // 2], "p20_ms": times[0], "p80_ms": times[-1]}
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> dict:
+    """Device-to-device copy of a buffer far larger than L2; bytes = read + write."""
+    nbytes = (4 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    gbps = 2 * nbytes / (t["ms"] * 1e-3) / 1e9
+    del src, dst
+    return {"buffer_bytes": nbytes, **t, "gbps": gbps}
+
+
+# ------------------------------------------------------------------------------------------ layouts
+def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator):
+    """Copy ``[B, L, H, D]`` K/V into a paged cache with shuffled physical blocks; returns
+    ``(key_cache, value_cache, block_tables int32 [B, L // block_size])``."""
+    b, length, h, d = k.shape
+    per_seq = length // block_size
+    num_blocks = b * per_seq
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu").to(k.device)
+    kc = torch.empty(num_blocks, block_size, h, d, dtype=k.dtype, device=k.device)
+    vc = torch.empty_like(kc)
+    kc[perm] = k.reshape(num_blocks, block_size, h, d)
+    vc[perm] = v.reshape(num_blocks, block_size, h, d)
+    return kc, vc, perm.view(b, per_seq).to(torch.int32)
+
+
+def megacache_copy(k: torch.Tensor, v: torch.Tensor, num_layers: int, layer: int = 0):
+    """Copy ``[B, L, H, D]`` into layer ``layer`` of a ``[B, L, layers, 2, H, D]`` megacache; returns the
+    strided K and V views (and the backing tensor, to keep it alive)."""
+    b, length, h, d = k.shape
+    mega = torch.empty(b, length, num_layers, 2, h, d, dtype=k.dtype, device=k.device)
+    kv, vv = mega[:, :, layer, 0], mega[:, :, layer, 1]
+    kv.copy_(k)
+    vv.copy_(v)
+    return kv, vv, mega
+
+
+def flex_paged(k: torch.Tensor, v: torch.Tensor, page: int, gen: torch.Generator):
+    """K/V as flex_attention's physical pool ``[1, H, num_pages * page, D]`` (shuffled pages) and a
+    :class:`BlockMask` whose KV blocks are each sequence's pages (all full), as in
+    ``torch.nn.attention.experimental._paged_attention``; the mask_mod keeps eager mode exact."""
+    from torch.nn.attention.flex_attention import BlockMask
+    b, length, h, d = k.shape
+    per_seq = length // page
+    num_pages = b * per_seq
+    perm = torch.randperm(num_pages, generator=gen, device="cpu").to(k.device)
+    kf = torch.empty(1, h, num_pages * page, d, dtype=k.dtype, device=k.device)
+    vf = torch.empty_like(kf)
+    kf.view(h, num_pages, page, d)[:, perm] = k.reshape(num_pages, page, h, d).permute(2, 0, 1, 3)
+    vf.view(h, num_pages, page, d)[:, perm] = v.reshape(num_pages, page, h, d).permute(2, 0, 1, 3)
+    owner = torch.empty(num_pages, dtype=torch.int32, device=k.device)
+    owner[perm] = (torch.arange(num_pages, device=k.device) // per_seq).to(torch.int32)
+
+    def mask_mod(bi, hi, q_idx, kv_idx):
+        return owner[kv_idx // page] == bi
+
+    i32 = dict(dtype=torch.int32, device=k.device)
+    mask = BlockMask.from_kv_blocks(
+        torch.zeros(b, 1, 1, **i32), torch.zeros(b, 1, 1, per_seq, **i32),
+        torch.full((b, 1, 1), per_seq, **i32), perm.view(b, 1, 1, per_seq).to(torch.int32),
+        BLOCK_SIZE=(page, page), mask_mod=mask_mod, seq_lengths=(1, num_pages * page),
+        compute_q_blocks=False)
+    return kf, vf, mask
+
+
+def _sdpa_flash(q, k, v, **kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+# ------------------------------------------------------------------------------------------ measuring
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = DTYPES[args.dtype]
+        self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = self.d ** -0.5
+        self.timer = Timer(self.device, args.rep_ms)
+        self.gen = torch.Generator(device="cpu").manual_seed(args.seed)
+        self.decode_cfg = {"paged": (64, 4, 2, 2.0), "contiguous": (64, 4, 2, 2.0)}  # bn, warps, stages, waves
+        self.prefill_cfg = {"paged": None, "contiguous": None}
+        self.copy_gbps = float("nan")
+        self._flex = None
+        self.only: set | None = None  # measure only these variants (tuning)
+
+    def randn(self, *shape) -> torch.Tensor:
+        g = torch.Generator(device=self.device).manual_seed(int(torch.randint(1 << 30, (1,), generator=self.gen)))
+        return torch.randn(*shape, generator=g, device=self.device, dtype=torch.float32).to(self.dtype)
+
+    def wants(self, *variants: str) -> bool:
+        return self.only is None or any(v in self.only for v in variants)
+
+    def release(self) -> None:
+        """Return cached blocks between points (shapes change; avoids fragmentation at 2M tokens)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def flex(self):
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+            self._flex = (torch.compile(flex_attention, dynamic=False) if self.device.type == "cuda"
+                          else flex_attention)
+        return self._flex
+
+    def measure(self, rows: list, base: dict, variant: str, fn, check, nbytes: int, flops: float = 0.0,
+                extra: dict | None = None, rep_ms: int | None = None) -> dict | None:
+        if self.only is not None and variant not in self.only:
+            return None
+        row = {**base, "variant": variant, **(extra or {})}
+        try:
+            out = fn()
+            row.update(check(out))
+            if not row["ok"]:
+                raise AssertionError(f"wrong result: {row}")
+            row.update(self.timer(fn, rep_ms))
+            sec = row["ms"] * 1e-3
+            row["bytes"] = nbytes
+            row["gbps"] = nbytes / sec / 1e9
+            row["pct_copy_bw"] = 100.0 * row["gbps"] / self.copy_gbps
+            if flops:
+                row["tflops"] = flops / sec / 1e12
+        except Exception as exc:  # one failing variant must not end the run
+            logger.warning("%s %s failed: %s", variant, base, exc)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+        return row
+
+    # ---------------------------------------------------------------------------------- decode
+    def decode_point(self, batch: int, ctx: int, rows: list, flex: bool, configs=None) -> None:
+        a, dev = self.args, self.device
+        k, v = self.randn(batch, ctx, self.hkv, self.d), self.randn(batch, ctx, self.hkv, self.d)
+        q = self.randn(batch, self.hq, self.d)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        slots = torch.arange(batch, dtype=torch.int32, device=dev)
+        esize = k.element_size()
+        nbytes = 2 * k.numel() * esize + 2 * q.numel() * esize
+        ref0 = ref.attention_one_seq_ref(q[:1].double(), k[0].double(), v[0].double(), ctx - 1, self.scale)
+        qb = q.unsqueeze(2)  # [B, Hq, 1, D]
+        kb, vb = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        sdpa_out = _sdpa_flash(qb, kb, vb, scale=self.scale, enable_gqa=True).squeeze(2)
+
+        def check(out):
+            out = out.reshape(batch, self.hq, self.d).float()
+            rel0 = ((out[0].double() - ref0[0]).norm() / ref0[0].norm()).item()
+            err = (out - sdpa_out.float()).abs().max().item()
+            return {"rel_err_seq0_vs_fp64": rel0, "max_abs_diff_vs_sdpa": err, "ok": rel0 < 1e-2 and err < 2e-2}
+
+        base = {"batch": batch, "context": ctx}
+        m = lambda *x, **kw: self.measure(rows, base, *x, **kw)  # noqa: E731
+        m("sdpa_contiguous", lambda: _sdpa_flash(qb, kb, vb, scale=self.scale, enable_gqa=True), check, nbytes)
+        del kb, vb
+
+        def ours(kc, vc, family, **kw):
+            bn, w, st, waves = self.decode_cfg[family]
+            splits = choose_num_splits(batch, self.hkv, ctx, dev, bn, waves=waves)
+            fn = lambda: decode_attention(q, kc, vc, seq_lens, max_seq_len=ctx, scale=self.scale,  # noqa: E731
+                                          num_splits=splits, block_n=bn, num_warps=w, num_stages=st, **kw)
+            return fn, {"num_splits": splits, "config": [bn, w, st]}
+
+        for bs in _ints(a.block_sizes):
+            if self.wants(f"triton_paged_bs{bs}"):
+                kc, vc, table = paged_copy(k, v, bs, self.gen)
+                fn, ex = ours(kc, vc, "paged", block_tables=table)
+                m(f"triton_paged_bs{bs}", fn, check, nbytes, extra=ex)
+                del kc, vc
+        layers = max(1, min(a.megacache_layers, int(a.megacache_budget_gb * 2**30 // (2 * k.numel() * esize))))
+        if self.wants("triton_contig_megacache", "sdpa_megacache_view"):
+            kc, vc, mega = megacache_copy(k, v, layers)
+            fn, ex = ours(kc, vc, "contiguous", slot_indices=slots)
+            m("triton_contig_megacache", fn, check, nbytes, extra={**ex, "megacache_layers": layers})
+            m("sdpa_megacache_view", lambda: _sdpa_flash(qb, kc.transpose(1, 2), vc.transpose(1, 2),
+                                                         scale=self.scale, enable_gqa=True), check, nbytes,
+              extra={"megacache_layers": layers})
+            del kc, vc, mega
+        fn, ex = ours(k, v, "contiguous", slot_indices=slots)
+        m("triton_contig_per_layer", fn, check, nbytes, extra=ex)
+        m("sdpa_per_layer_view", lambda: _sdpa_flash(qb, k.transpose(1, 2), v.transpose(1, 2), scale=self.scale,
+                                                     enable_gqa=True), check, nbytes)
+        if flex and ctx % a.flex_page == 0:
+            kf, vf, mask = flex_paged(k, v, a.flex_page, self.gen)
+            fx = self.flex()
+            t0 = time.perf_counter()
+            m(f"flex_paged_p{a.flex_page}", lambda: fx(qb, kf, vf, block_mask=mask, scale=self.scale,
+                                                        enable_gqa=True), check, nbytes)
+            rows[-1]["first_call_incl_compile_s"] = time.perf_counter() - t0
+            del kf, vf, mask
+        self.release()
+
+    # ---------------------------------------------------------------------------------- prefill
+    def prefill_point(self, ctx: int, rows: list) -> None:
+        a, dev = self.args, self.device
+        k, v = self.randn(1, ctx, self.hkv, self.d), self.randn(1, ctx, self.hkv, self.d)
+        q = self.randn(ctx, self.hq, self.d)
+        qsl = torch.tensor([0, ctx], dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+        slots = torch.zeros(1, dtype=torch.int32, device=dev)
+        esize = k.element_size()
+        nbytes = 2 * k.numel() * esize + 2 * q.numel() * esize
+        flops = 4.0 * self.hq * self.d * ctx * (ctx + 1) / 2
+        tail = min(64, ctx)
+        ref_tail = ref.attention_one_seq_ref(q[-tail:].double(), k[0].double(), v[0].double(), ctx - tail,
+                                             self.scale).float()
+        qb = q.unsqueeze(0).transpose(1, 2)  # [1, Hq, L, D] view of the varlen q
+        qbc, kb, vb = qb.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        sdpa_out = _sdpa_flash(qbc, kb, vb, is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
+
+        def check(out):
+            out = out.reshape(ctx, self.hq, self.d) if out.dim() == 3 else out[0].transpose(0, 1)
+            rel = ((out[-tail:].float() - ref_tail).norm() / ref_tail.norm()).item()
+            err = (out.float() - sdpa_out.float()).abs().max().item()
+            return {"rel_err_tail_vs_fp64": rel, "max_abs_diff_vs_sdpa": err, "ok": rel < 1e-2 and err < 3e-2}
+
+        base = {"context": ctx, "batch": 1}
+        m = lambda *x, **kw: self.measure(rows, base, *x, flops=flops, **kw)  # noqa: E731
+        m("sdpa_flash_contiguous", lambda: _sdpa_flash(qbc, kb, vb, is_causal=True, scale=self.scale,
+                                                       enable_gqa=True), check, nbytes)
+        del qbc, kb, vb
+
+        def ours(kc, vc, family, **kw):
+            cfg = self.prefill_cfg[family]
+            return (lambda: prefill_attention(q, kc, vc, qsl, seq_lens, max_query_len=ctx, scale=self.scale,
+                                              config=cfg, **kw)), {"config": cfg}
+
+        for bs in _ints(a.block_sizes):
+            if self.wants(f"triton_paged_bs{bs}"):
+                kc, vc, table = paged_copy(k, v, bs, self.gen)
+                fn, ex = ours(kc, vc, "paged", block_tables=table)
+                m(f"triton_paged_bs{bs}", fn, check, nbytes, extra=ex)
+                del kc, vc
+        if self.wants("triton_contig_megacache", "sdpa_flash_megacache_view"):
+            kc, vc, mega = megacache_copy(k, v, a.megacache_layers)
+            fn, ex = ours(kc, vc, "contiguous", slot_indices=slots)
+            m("triton_contig_megacache", fn, check, nbytes, extra={**ex, "megacache_layers": a.megacache_layers})
+            m("sdpa_flash_megacache_view", lambda: _sdpa_flash(qb, kc.transpose(1, 2), vc.transpose(1, 2),
+                                                               is_causal=True, scale=self.scale, enable_gqa=True),
+              check, nbytes)
+            del kc, vc, mega
+        fn, ex = ours(k, v, "contiguous", slot_indices=slots)
+        m("triton_contig_per_layer", fn, check, nbytes, extra=ex)
+        m("sdpa_flash_per_layer_view", lambda: _sdpa_flash(qb, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                                           scale=self.scale, enable_gqa=True), check, nbytes)
+        self.release()
+
+    # ---------------------------------------------------------------------------------- tuning
+    def _tuned_ms(self, point, variant: str) -> float | None:
+        rows: list = []
+        saved, self.only = self.only, {variant}
+        try:
+            point(rows)
+        finally:
+            self.only = saved
+        return rows[0].get("ms") if rows else None
+
+    def tune(self, batch: int, ctx: int, prefill_ctx: int) -> dict:
+        """Pick the fastest decode (block_n, warps, stages, waves) and prefill tiles per layout family
+        (paged: block size 16; contiguous: megacache views)."""
+        log: dict = {"point": {"decode": [batch, ctx], "prefill": prefill_ctx}, "decode": [], "prefill": []}
+        saved_bs = self.args.block_sizes
+        self.args.block_sizes = "16"
+        try:
+            for family, variant in (("paged", "triton_paged_bs16"), ("contiguous", "triton_contig_megacache")):
+                point = lambda rows: self.decode_point(batch, ctx, rows, flex=False)  # noqa: E731
+                best = None
+                cands = [(bn, w, s, 2.0) for bn, w, s in DECODE_TUNE]
+                for stage in (0, 1):
+                    for cfg in cands:
+                        self.decode_cfg[family] = cfg
+                        ms = self._tuned_ms(point, variant)
+                        log["decode"].append({"family": family, "config": cfg, "ms": ms})
+                        if ms is not None and (best is None or ms < best[1]):
+                            best = (cfg, ms)
+                    cands = [(*best[0][:3], waves) for waves in (1.0, 4.0, 8.0)]
+                self.decode_cfg[family] = best[0]
+                logger.info("decode %s: best %s %.4f ms", family, *best)
+            for family, variant in (("paged", "triton_paged_bs16"), ("contiguous", "triton_contig_megacache")):
+                point = lambda rows: self.prefill_point(prefill_ctx, rows)  # noqa: E731
+                best = None
+                for cfg in PREFILL_TUNE:
+                    self.prefill_cfg[family] = cfg
+                    ms = self._tuned_ms(point, variant)
+                    log["prefill"].append({"family": family, "config": cfg, "ms": ms})
+                    if ms is not None and (best is None or ms < best[1]):
+                        best = (cfg, ms)
+                self.prefill_cfg[family] = best[0] if best else None
+                logger.info("prefill %s: best %s", family, best)
+        finally:
+            self.args.block_sizes = saved_bs
+        log["chosen"] = {"decode": dict(self.decode_cfg), "prefill": dict(self.prefill_cfg)}
+        return log
+
+
+def run(args: argparse.Namespace) -> int:
+    from vmkv.compare.kernel_bench_report import summarize, write_outputs
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    bench = Bench(args)
+    if bench.device.type == "cuda" and not torch.cuda.is_available():
+        print("vmkv compare kernels: CUDA is not available; use --device cpu for a functional smoke run")
+        return 2
+    for ctx in _ints(args.contexts) + _ints(args.prefill_contexts):
+        for bs in _ints(args.block_sizes) + [args.flex_page]:
+            if ctx % bs:
+                print(f"context {ctx} is not a multiple of block/page size {bs}")
+                return 2
+    out_dir = Path(args.out)
+    result: dict = {"args": vars(args), "decode": [], "prefill": []}
+    t_start = time.perf_counter()
+    result["copy_bandwidth"] = copy_bandwidth(bench.device, bench.timer)
+    bench.copy_gbps = result["copy_bandwidth"]["gbps"]
+    logger.info("copy bandwidth %.0f GB/s", bench.copy_gbps)
+    if args.tune:
+        result["tuning"] = bench.tune(64 if bench.device.type == "cuda" else 2,
+                                      4096 if bench.device.type == "cuda" else _ints(args.contexts)[0],
+                                      8192 if bench.device.type == "cuda" else _ints(args.prefill_contexts)[0])
+        write_outputs(out_dir, result, with_plot=False)
+    for ctx in _ints(args.prefill_contexts):
+        bench.prefill_point(ctx, result["prefill"])
+        logger.info("prefill %d done (%.0f s)", ctx, time.perf_counter() - t_start)
+    write_outputs(out_dir, result, with_plot=False)
+    for ctx in _ints(args.contexts):
+        for batch in _ints(args.batches):
+            if batch * ctx > args.max_tokens:
+                continue
+            bench.decode_point(batch, ctx, result["decode"], flex=False)
+            logger.info("decode %dx%d done (%.0f s)", batch, ctx, time.perf_counter() - t_start)
+        write_outputs(out_dir, result, with_plot=False)
+    # flex_attention last: every shape compiles (tens of seconds each)
+    bench.only = {f"flex_paged_p{args.flex_page}"}
+    for batch, ctx in _points(args.flex_points):
+        bench.decode_point(batch, ctx, result["decode"], flex=True)
+        logger.info("flex %dx%d done (%.0f s)", batch, ctx, time.perf_counter() - t_start)
+        write_outputs(out_dir, result, with_plot=False)
+    bench.only = None
+    result["decode_config"] = bench.decode_cfg
+    result["prefill_config"] = bench.prefill_cfg
+    result["summary"] = summarize(result)
+    result["wall_s"] = time.perf_counter() - t_start
+    paths = write_outputs(out_dir, result, with_plot=True)
+    print(paths["md"].read_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kernel_bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

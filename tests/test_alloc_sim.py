@@ -101,3 +101,23 @@ def test_parse_size():
     assert parse_size("1.5M") == 3 << 19
     with pytest.raises(ValueError, match="K/M/G"):
         parse_size("lots")
+
+
+def test_compare_alloc_cli_writes_consistent_results(tmp_path):
+    import json
+
+    from vmkv.cli import main
+
+    rc = main(["compare", "alloc", "--model", "llama3-8b", "--seq-len", "1..256", "--num-seqs", "3000",
+               "--block-sizes", "16,32", "--page-sizes", "2M", "--max-model-len", "256", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "alloc.json").read_text())
+    assert res["bytes_per_token"] == 128 * 1024
+    lengths = np.asarray(res["lengths"])
+    by = {(r["scheme"], r["block_size"], r["page_size_bytes"]): r for r in res["results"]}
+    paged16 = by[("paged", 16, 0)]
+    assert paged16["waste_bytes"] == int(tail_waste_tokens(lengths, 16).sum()) * 128 * 1024
+    assert paged16["mean_tail_waste_tokens"] == pytest.approx(7.5, abs=0.3)  # (B-1)/2 for uniform lengths
+    assert by[("vmem-megacache", 0, 2 << 20)]["waste_bytes"] == paged16["waste_bytes"]
+    assert by[("reservation", 0, 0)]["waste_bytes"] == int((256 - lengths).sum()) * 128 * 1024
+    assert (tmp_path / "alloc_waste.png").stat().st_size > 0 and "paged" in (tmp_path / "alloc.md").read_text()

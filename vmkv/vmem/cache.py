@@ -17,7 +17,7 @@ import math
 import mmap
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -232,7 +232,10 @@ class VMemKVCache(KVCache):
         return min(free, key=key)
 
     # ------------------------------------------------------------------ lifecycle
-    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
+                 extra_key: Hashable = None) -> int:
+        """See :meth:`KVCache.allocate`; ``extra_key`` (tenant, LoRA, ...) salts every unit hash, so
+        prompts only share pages with prompts of the same key.  Hits are whole units (pages)."""
         self._check_open()
         t0 = time.perf_counter_ns()
         if seq_id in self._seqs:
@@ -248,7 +251,7 @@ class VMemKVCache(KVCache):
         hashes: list[int] = []
         hits: list = []
         if self.enable_prefix_caching and token_ids is not None:
-            hashes = unit_hashes([int(t) for t in token_ids], self.unit_tokens)
+            hashes = unit_hashes([int(t) for t in token_ids], self.unit_tokens, extra_key)
             hits = self.prefix.lookup(hashes[:(n - 1) // self.unit_tokens])
         slot = self._pick_slot(free, num_units, hits)
         fresh, available = self.mapper.plan_occupy(slot, num_units, hits)
@@ -282,9 +285,13 @@ class VMemKVCache(KVCache):
         cow = [u for u in self.layout.units_overlapping(seq.seq_len, new_len) if u < slot.claimed]
         fresh, available = self.mapper.plan_grow(slot, num_units, cow)
         if fresh > available:
+            # any growth first needs the copy of the shared unit at seq_len, then whole units
             cow_pages = self.mapper.plan_writable(slot, cow, range(self.layout.num_reservations))
-            extra = max(0, self.mapper.available_pages() - cow_pages) // self.layout.pages_per_unit
-            can = max(0, self.layout.max_tokens_for_units(slot.claimed + extra) - seq.seq_len)
+            spare = self.mapper.available_pages() - cow_pages
+            can = 0
+            if spare >= 0:
+                units = slot.claimed + spare // self.layout.pages_per_unit
+                can = max(0, self.layout.max_tokens_for_units(units) - seq.seq_len)
             raise KVCacheFullError(int(num_tokens), can, f"sequence {seq_id!r} needs {fresh} more pages, "
                                                          f"{available} obtainable")
         self.mapper.grow(slot, num_units, cow, copy_below_bytes=seq.seq_len * self.layout.row_token_bytes)

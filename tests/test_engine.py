@@ -351,6 +351,15 @@ def test_request_validation(tiny, backend):
 def test_budget_too_small_for_max_model_len_is_rejected(tiny, backend):
     with pytest.raises(ValueError, match="max_model_len"):
         make_engine(tiny, backend, memory_bytes=64 * BYTES_PER_TOKEN, max_model_len=256)
+    # without an explicit max_model_len the default (the model's 1024) is lowered to fit
+    engine = make_engine(tiny, backend, memory_bytes=300 * BYTES_PER_TOKEN, max_model_len=None)
+    assert 256 <= engine.max_model_len <= 300
+    assert engine.kv_cache.usage().free_tokens >= engine.max_model_len
+    engine = make_engine(tiny, backend, max_model_len=None, memory_bytes=None)   # 256 MiB on CPU
+    assert engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine2 = make_engine(tiny, backend, max_num_seqs=2)
+        engine2.add_request("n", None, greedy(2, n=3), prompt_token_ids=[5, 6])
 
 
 def test_metrics_and_stats(tiny, backend):
@@ -389,3 +398,24 @@ def test_chat_template_and_offline_llm(tiny, backend):
     with pytest.raises(ValueError):
         llm.generate([1, 2, 3])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_cli_generate(tiny, backend, capsys):
+    from vmkv.cli import main
+
+    tok = tiny["tokenizer"]
+    opts = ["--driver", "host", "--page-size-bytes", "4KiB"] if backend == "vmem" else []
+    common = ["generate", "--backend", backend, "--model", tiny["path"], "--device", "cpu",
+              "--memory-bytes", "256KiB", "--max-model-len", "256", "--max-tokens", "6",
+              "--ignore-eos", *opts]
+    assert main([*common, "--prompt", "Hello world!"]) == 0
+    chat_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello world!"}],
+                                                  tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    want = tok.decode(hf_greedy(tiny["hf"], chat_ids, 6), skip_special_tokens=True)
+    assert capsys.readouterr().out == want + "\n"
+    assert main([*common, "--no-chat", "--no-stream", "--prompt", "Hello world!"]) == 0
+    want = tok.decode(hf_greedy(tiny["hf"], tok.encode("Hello world!"), 6), skip_special_tokens=True)
+    assert capsys.readouterr().out == want + "\n"
+    assert main([*common, "--prompt", "x", "--temperature", "9"]) == 2
+    assert "temperature" in capsys.readouterr().err

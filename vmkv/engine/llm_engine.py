@@ -84,10 +84,24 @@ class LLMEngine:
         cc, sc = config.cache, config.scheduler
         spec = mc.kv_spec(self.device, self.dtype)
         memory_bytes = self._resolve_memory_bytes(spec)
+        fits = spec.max_tokens_for_bytes(memory_bytes)
+        if sc.max_model_len is None and fits < self.max_model_len:
+            # the default context does not fit the budget: shorten it (an explicit one raises below)
+            logger.warning("KV budget of %d bytes holds %d tokens; lowering max_model_len from %d "
+                           "to %d (give memory_bytes or max_model_len to choose)", memory_bytes,
+                           fits, self.max_model_len, max(fits, 2))
+            self.max_model_len = max(fits, 2)
         self.kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=sc.max_num_seqs,
                                         max_model_len=self.max_model_len, memory_bytes=memory_bytes,
                                         **cc.backend_options())
         free_tokens = self.kv_cache.usage().free_tokens
+        if free_tokens < self.max_model_len and sc.max_model_len is None and free_tokens >= 2:
+            self.kv_cache.close()          # unit rounding: retry with what the backend can hold
+            self.max_model_len = free_tokens
+            self.kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=sc.max_num_seqs,
+                                            max_model_len=self.max_model_len,
+                                            memory_bytes=memory_bytes, **cc.backend_options())
+            free_tokens = self.kv_cache.usage().free_tokens
         if free_tokens < self.max_model_len:
             cap = self.kv_cache.usage().capacity_bytes
             self.kv_cache.close()
@@ -189,6 +203,9 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}; "
+                             "lower n or raise max_num_seqs")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         group = SequenceGroup(request_id, prompt, prompt_token_ids, params, self.tokenizer,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vmkv.kvcache.base import CacheUsage
+
 __all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "EngineStats"]
 
 
@@ -108,7 +110,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preempted_total: int
-    kv_usage: object
+    kv_usage: CacheUsage
     prefix_hit_rate: float
     num_steps: int
     step_time_s_total: float

@@ -67,7 +67,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     Returns:
         A new ``float32 [num_rows, vocab_size]`` tensor, masked entries ``-inf``.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     remove_sorted = mass_before >= top_p.unsqueeze(1)

@@ -171,7 +171,7 @@ class PagedKVCache(KVCache):
         # reviving a cached free hit block takes it out of the evictable set
         available = self.pool.num_free_blocks - sum(self.pool.is_cached_free(b) for b in hits)
         if num_new > available:
-            raise KVCacheFullError(num_tokens, self.free_tokens,
+            raise KVCacheFullError(num_tokens, (len(hits) + available) * bs,
                                    f"sequence {seq_id} needs {num_new} new blocks, {available} free")
         for b in hits:
             self.pool.incref(b)
@@ -205,7 +205,11 @@ class PagedKVCache(KVCache):
         cow = self._cow_plan([(seq_id, s.seq_len // self.block_size)])
         needed = num_new + len(cow)
         if needed > self.pool.num_free_blocks:
-            raise KVCacheFullError(num_tokens, self.pool.num_free_blocks * self.block_size,
+            # in tokens: the new positions plus whole copied blocks, against the room left in the
+            # last block plus the free blocks
+            bs = self.block_size
+            room = len(s.block_table) * bs - s.seq_len
+            raise KVCacheFullError(num_tokens + len(cow) * bs, room + self.pool.num_free_blocks * bs,
                                    f"sequence {seq_id} needs {num_new} new blocks + {len(cow)} "
                                    f"copy-on-write, {self.pool.num_free_blocks} free")
         self._apply_cow(cow)
@@ -271,7 +275,7 @@ class PagedKVCache(KVCache):
         if n == 0:
             return
         bs = self.block_size
-        self._cow_or_raise([(seq_id, i) for i in range(start // bs, (start + n - 1) // bs + 1)], n)
+        self._cow_or_raise([(seq_id, i) for i in range(start // bs, (start + n - 1) // bs + 1)])
         pos = torch.arange(start, start + n)
         table = torch.tensor(s.block_table, dtype=torch.int64)
         slots = (table[pos // bs] * bs + pos % bs).to(self.spec.torch_device)
@@ -323,7 +327,7 @@ class PagedKVCache(KVCache):
                 raise ValueError(f"{e} writes up to position {end}, past seq_len {s.seq_len}; "
                                  f"extend() the sequence first")
             targets += [(e.seq_id, i) for i in range(e.num_computed_tokens // bs, (end - 1) // bs + 1)]
-        self._cow_or_raise(targets, sum(e.num_new_tokens for e in batch))
+        self._cow_or_raise(targets)
         tables = [self._seqs[e.seq_id].block_table for e in batch]
         width = max(len(t) for t in tables)
         bt = torch.zeros((len(batch), width), dtype=torch.int32)
@@ -458,10 +462,13 @@ class PagedKVCache(KVCache):
                 rc[b] = count - 1
         return plan
 
-    def _cow_or_raise(self, targets: list[tuple[int, int]], needed_tokens: int) -> None:
+    def _cow_or_raise(self, targets: list[tuple[int, int]]) -> None:
+        """Copy the shared blocks among ``targets`` or, short of free blocks, raise
+        KVCacheFullError (needed/available counted in whole blocks' tokens) changing nothing."""
         plan = self._cow_plan(targets)
         if len(plan) > self.pool.num_free_blocks:
-            raise KVCacheFullError(needed_tokens, self.pool.num_free_blocks * self.block_size,
+            raise KVCacheFullError(len(plan) * self.block_size,
+                                   self.pool.num_free_blocks * self.block_size,
                                    f"copy-on-write of {len(plan)} shared blocks, "
                                    f"{self.pool.num_free_blocks} free")
         self._apply_cow(plan)

@@ -305,8 +305,9 @@ def test_cached_free_blocks_revived_then_evicted_lru():
     assert cache.pool.lookup(unit_hashes(prompt, BS)[1]) == 1
     # the prompt still hits blocks 0, 1 but needs 1 new block while only 0 and 1 are free
     snap = snapshot(cache)
-    with pytest.raises(KVCacheFullError, match="needs 1 new blocks, 0 free"):
+    with pytest.raises(KVCacheFullError, match="needs 1 new blocks, 0 free") as err:
         cache.allocate(4, 12, prompt)
+    assert (err.value.needed_tokens, err.value.available_tokens) == (12, 8)   # 8 = the hits
     assert_unchanged(cache, snap)
     cache.free(3)
     assert cache.allocate(4, 12, prompt) == 8
@@ -328,14 +329,18 @@ def test_full_errors_leave_state_unchanged():
     with pytest.raises(KVCacheFullError) as err:
         cache.allocate(4, 1)
     assert err.value.needed_tokens == 1 and err.value.available_tokens == 0
-    with pytest.raises(KVCacheFullError, match="copy-on-write"):
+    with pytest.raises(KVCacheFullError, match="copy-on-write") as err:
         cache.extend(2, 1)                               # shared block 1 needs a copy
-    with pytest.raises(KVCacheFullError, match="copy-on-write"):
+    # 1 new position + a 4-token block copy, against 2 positions of room in block 1
+    assert (err.value.needed_tokens, err.value.available_tokens) == (5, 2)
+    with pytest.raises(KVCacheFullError, match="copy-on-write") as err:
         cache.write(2, 0, 0, *rand_kv(1, gen))
+    assert (err.value.needed_tokens, err.value.available_tokens) == (4, 0)
     with pytest.raises(KVCacheFullError, match="copy-on-write"):
         cache.prepare([StepSeq(3, 0, 8), StepSeq(2, 5, 1)])
-    with pytest.raises(KVCacheFullError, match="2 new blocks"):
+    with pytest.raises(KVCacheFullError, match="2 new blocks") as err:
         cache.extend(3, 5)
+    assert (err.value.needed_tokens, err.value.available_tokens) == (5, 0)
     assert_unchanged(cache, snap)
     cache.free(3)
     cache.extend(2, 1)                                   # now it fits: copy + no new block

@@ -32,14 +32,22 @@ ATOL = RTOL = 2e-4
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny matmuls on a shared 2-core machine: one intra-op thread avoids OpenMP spin contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------- helpers
 def make_cache(backend: str, config: ModelConfig, *, max_num_seqs: int = 4, max_model_len: int = 64):
     spec = config.kv_spec("cpu", torch.float32)
-    if backend == "vmem":  # TEMPORARY until the vmem backend lands
-        pytest.importorskip("vmkv.vmem.cache")
     options = {"driver": "host"} if backend == "vmem" else {}
+    memory_bytes = max(1 << 20, 2 * spec.kv_bytes(max_num_seqs * max_model_len))
     return create_kv_cache(backend, spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                           memory_bytes=1 << 20, **options)
+                           memory_bytes=memory_bytes, **options)
 
 
 def run_step(model, cache, tokens: dict, batch: list[StepSeq]) -> torch.Tensor:

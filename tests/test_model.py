@@ -224,6 +224,14 @@ def test_config_validation_and_shapes():
                     num_kv_heads=4, head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(UnsupportedModelError, match="supported: llama, qwen2"):
         ModelConfig.from_gguf_metadata({"general.architecture": "gpt2"}, {})
+    # transformers 4.x keys (rope_theta + rope_scaling with "type"), EOS ids merged from generation_config
+    v4 = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+          "intermediate_size": 96, "vocab_size": 32, "rope_theta": 5e5, "eos_token_id": 7,
+          "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    cfg = ModelConfig.from_hf_config(v4, {"eos_token_id": [7, 9]})
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.eos_token_ids == (7, 9) and cfg.num_kv_heads == 4 and cfg.head_dim == 16
     # published sizes: Llama-3-8B 8.03B, Qwen2.5-7B 7.62B, SmolLM2-135M 134.5M parameters
     assert round(SHAPES["llama3-8b"].num_params / 1e9, 2) == 8.03
     assert round(SHAPES["qwen2.5-7b"].num_params / 1e9, 2) == 7.62

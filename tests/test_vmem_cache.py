@@ -342,6 +342,24 @@ def test_step_path_matches_reference(make, layout):
     c.check_integrity()
 
 
+@pytest.mark.parametrize("impl", ["torch", "sdpa"])
+def test_attention_impls_agree(make, impl):
+    if impl == "sdpa":
+        pytest.importorskip("vmkv.kernels.sdpa")
+    c = make(attention_impl=impl)
+    c.allocate(1, 7)
+    c.allocate(2, 3)
+    meta = c.prepare([StepSeq(1, 0, 7), StepSeq(2, 0, 3)])
+    k, v = _kv(10, seed=14)
+    q = torch.randn(10, 4, SPEC.head_dim)
+    c.write_kv(0, k, v, meta)
+    out = c.attention(0, q, meta, scale=0.3)
+    torch.testing.assert_close(out[:7], attention_one_seq_ref(q[:7], k[:7], v[:7], 0, 0.3))
+    torch.testing.assert_close(out[7:], attention_one_seq_ref(q[7:], k[7:], v[7:], 0, 0.3))
+    with pytest.raises(ValueError, match="attention_impl"):
+        make(attention_impl="flash")
+
+
 def test_fractional_tokens_per_page_disables_prefix_caching(caplog):
     spec = KVCacheSpec(num_layers=1, num_kv_heads=3, head_dim=4, dtype=torch.float32)  # 96 B per token
     with caplog.at_level(logging.INFO, logger="vmkv.vmem.cache"):

@@ -51,6 +51,9 @@ _HOST_TARGET_PAGE_BYTES = DEFAULT_HOST_PAGE_BYTES
 _HOST_MAX_PAGE_BYTES = 2 * 1024 * 1024
 
 
+_ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa")
+
+
 class SlotsExhaustedError(KVCacheFullError, ValueError):
     """Every slot (``max_num_seqs`` of them) is live.  Both a full cache and an out-of-range request
     for one more sequence, so it is a :class:`KVCacheFullError` and a ``ValueError``."""
@@ -101,6 +104,9 @@ class VMemKVCache(KVCache):
         lookahead_tokens: also map (best effort, from free pool pages) the pages of this many
             positions past ``seq_len``, so decode steps rarely map on the critical path.
         preallocate: create every page up front instead of on first use.
+        attention_impl: ``vmkv.kernels.ops.contiguous_attention`` implementation: ``"auto"``
+            (Triton on CUDA, torch reference on CPU), ``"triton"``, ``"torch"`` or ``"sdpa"``
+            (unmodified ``scaled_dot_product_attention`` on the slot views).
     Raises:
         ValueError: a bad argument (names the value and the allowed range).
         VMMError: a virtual-memory call failed.
@@ -111,13 +117,17 @@ class VMemKVCache(KVCache):
     def __init__(self, spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, memory_bytes: int,
                  driver: str | VMMDriver = "auto", layout: str = "megacache",
                  page_size_bytes: int | None = None, enable_prefix_caching: bool = True,
-                 lookahead_tokens: int = 0, preallocate: bool = False) -> None:
+                 lookahead_tokens: int = 0, preallocate: bool = False,
+                 attention_impl: str = "auto") -> None:
         super().__init__(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          memory_bytes=memory_bytes)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown vmem layout {layout!r}; choose one of {list(LAYOUTS)}")
         if int(lookahead_tokens) < 0:
             raise ValueError(f"lookahead_tokens must be >= 0, got {lookahead_tokens}")
+        if attention_impl not in _ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {_ATTENTION_IMPLS}, got {attention_impl!r}")
+        self.attention_impl = attention_impl
         self._closed = True
         self._owns_driver = not isinstance(driver, VMMDriver)
         if self._owns_driver:
@@ -436,10 +446,14 @@ class VMemKVCache(KVCache):
             raise ValueError(f"q must be [{meta.num_tokens}, a multiple of {s.num_kv_heads}, "
                              f"{s.head_dim}], got {tuple(q.shape)}")
         scale = s.head_dim ** -0.5 if scale is None else float(scale)
+        # host copy of the slots (no device sync for the reference and sdpa paths)
+        slots_host = [self._seq(seq_id).slot.index for seq_id in meta.seq_ids]
+        extra = {} if self.attention_impl == "auto" else {"impl": self.attention_impl}
         return ops.contiguous_attention(
             q, self._k[layer], self._v[layer], meta.slot_indices, meta.query_start_loc, meta.seq_lens,
             seq_lens_host=meta.seq_lens_host, query_lens_host=meta.query_lens_host,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale)
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
+            slot_indices_host=slots_host, **extra)
 
     # ------------------------------------------------------------------ introspection
     @property

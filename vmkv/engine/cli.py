@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="random weights of a named shape instead of a checkpoint (no tokenizer)")
     g.add_argument("--device", default=ec.device, help="cpu, cuda, cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=ec.dtype, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (default: torch's; 1 is fastest on a busy machine)")
 
     g = parser.add_argument_group("KV cache and scheduler")
     g.add_argument("--backend", choices=list(BACKENDS), default=cc.backend, help="KV backend")
@@ -122,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
 
     from vmkv.engine.sampling_params import SamplingParams  # noqa: PLC0415
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
+    if args.threads is not None:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(max(1, args.threads))
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,

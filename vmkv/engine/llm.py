@@ -19,7 +19,6 @@ from vmkv.engine.sampling_params import SamplingParams
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 PromptType = Union[str, dict]
-Conversation = list
 
 
 class LLM:

@@ -70,6 +70,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None:
             loaded = self._load_model()
+        else:                                # a preloaded model decides where the engine runs
+            self.device, self.dtype = loaded.device, loaded.dtype
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = loaded.config
@@ -82,33 +84,7 @@ class LLMEngine:
         if tok_eos is not None and tok_eos not in self.eos_token_ids:
             self.eos_token_ids += (int(tok_eos),)
         cc, sc = config.cache, config.scheduler
-        spec = mc.kv_spec(self.device, self.dtype)
-        memory_bytes = self._resolve_memory_bytes(spec)
-        fits = spec.max_tokens_for_bytes(memory_bytes)
-        if sc.max_model_len is None and fits < self.max_model_len:
-            # the default context does not fit the budget: shorten it (an explicit one raises below)
-            logger.warning("KV budget of %d bytes holds %d tokens; lowering max_model_len from %d "
-                           "to %d (give memory_bytes or max_model_len to choose)", memory_bytes,
-                           fits, self.max_model_len, max(fits, 2))
-            self.max_model_len = max(fits, 2)
-        self.kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=sc.max_num_seqs,
-                                        max_model_len=self.max_model_len, memory_bytes=memory_bytes,
-                                        **cc.backend_options())
-        free_tokens = self.kv_cache.usage().free_tokens
-        if free_tokens < self.max_model_len and sc.max_model_len is None and free_tokens >= 2:
-            self.kv_cache.close()          # unit rounding: retry with what the backend can hold
-            self.max_model_len = free_tokens
-            self.kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=sc.max_num_seqs,
-                                            max_model_len=self.max_model_len,
-                                            memory_bytes=memory_bytes, **cc.backend_options())
-            free_tokens = self.kv_cache.usage().free_tokens
-        if free_tokens < self.max_model_len:
-            cap = self.kv_cache.usage().capacity_bytes
-            self.kv_cache.close()
-            raise ValueError(
-                f"the KV cache ({cap} bytes, {free_tokens} tokens) cannot hold one sequence of "
-                f"max_model_len={self.max_model_len} tokens ({spec.kv_bytes(self.max_model_len)} "
-                "bytes); raise memory_bytes / gpu_memory_utilization or lower max_model_len")
+        self.kv_cache = self._build_kv_cache(mc.kv_spec(self.device, self.dtype))
         self.allocator = TimedAllocator(self.kv_cache)
         self.scheduler = Scheduler(sc, self.allocator, self.max_model_len, cc.enable_prefix_caching)
         self.sampler = Sampler(config.seed, self.device)
@@ -123,9 +99,7 @@ class LLMEngine:
         self._num_prompt_tokens_total = 0
         self._num_generation_tokens_total = 0
         self._num_finished_total = 0
-        logger.info("engine ready: model %s, %s backend, %s %s, max_model_len %d, KV %d bytes",
-                    self.model_name, cc.backend, self.device, self.dtype, self.max_model_len,
-                    memory_bytes)
+        logger.info("engine ready: model %s on %s (%s)", self.model_name, self.device, self.dtype)
 
     @classmethod
     def from_args(cls, model: str | None = None, kv_backend: str = "paged", device: str | None = None,
@@ -156,6 +130,40 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= "
                              f"max_model_len={want} when chunked prefill is off")
         return want
+
+    def _build_kv_cache(self, spec):
+        """The KV cache for ``spec``; lowers a default ``max_model_len`` to what the budget holds."""
+        cc, sc = self.config.cache, self.config.scheduler
+        memory_bytes = self._resolve_memory_bytes(spec)
+        fits = spec.max_tokens_for_bytes(memory_bytes)
+        if sc.max_model_len is None and fits < self.max_model_len:
+            logger.warning("KV budget of %d bytes holds %d tokens; lowering max_model_len from %d "
+                           "to %d (give memory_bytes or max_model_len to choose)", memory_bytes,
+                           fits, self.max_model_len, max(fits, 2))
+            self.max_model_len = max(fits, 2)
+
+        def build():
+            return create_kv_cache(cc.backend, spec, max_num_seqs=sc.max_num_seqs,
+                                   max_model_len=self.max_model_len, memory_bytes=memory_bytes,
+                                   **cc.backend_options())
+
+        kv_cache = build()
+        free_tokens = kv_cache.usage().free_tokens
+        if free_tokens < self.max_model_len and sc.max_model_len is None and free_tokens >= 2:
+            kv_cache.close()                 # unit rounding: retry with what the backend holds
+            self.max_model_len = free_tokens
+            kv_cache = build()
+            free_tokens = kv_cache.usage().free_tokens
+        if free_tokens < self.max_model_len:
+            cap = kv_cache.usage().capacity_bytes
+            kv_cache.close()
+            raise ValueError(
+                f"the KV cache ({cap} bytes, {free_tokens} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens ({spec.kv_bytes(self.max_model_len)} "
+                "bytes); raise memory_bytes / gpu_memory_utilization or lower max_model_len")
+        logger.info("KV cache: %s backend, %d bytes, max_model_len %d", cc.backend, memory_bytes,
+                    self.max_model_len)
+        return kv_cache
 
     def _resolve_memory_bytes(self, spec) -> int:
         cc, sc = self.config.cache, self.config.scheduler

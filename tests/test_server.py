@@ -348,6 +348,13 @@ ERROR_CASES = [
     ("non_json", CHAT_URL, b"{this is not json", 400, None, "invalid_json"),
     ("json_array_body", CHAT_URL, b"[1, 2, 3]", 400, None, "invalid_type"),
     ("empty_body", COMPLETIONS_URL, b"", 400, None, "invalid_json"),
+    ("n_above_max_num_seqs", CHAT_URL, {"messages": _MSG, "n": MAX_NUM_SEQS + 1}, 400, "n", "invalid_value"),
+    ("negative_seed", CHAT_URL, {"messages": _MSG, "seed": -1}, 400, "seed", "invalid_value"),
+    ("bad_top_k", CHAT_URL, {"messages": _MSG, "top_k": -7}, 400, "top_k", "invalid_value"),
+    ("empty_stop_string", COMPLETIONS_URL, {"prompt": "the", "stop": [""]}, 400, "stop", "invalid_value"),
+    ("stream_options_without_stream", CHAT_URL, {"messages": _MSG, "stream_options": {"include_usage": True}},
+     400, None, "invalid_value"),
+    ("logprobs_unsupported", CHAT_URL, {"messages": _MSG, "logprobs": True}, 400, "logprobs", "invalid_value"),
     ("unknown_model_chat", CHAT_URL, {"model": "gpt-17", "messages": _MSG}, 404, "model", "model_not_found"),
     ("unknown_model_completion", COMPLETIONS_URL, {"model": "gpt-17", "prompt": "the"}, 404, "model",
      "model_not_found"),
@@ -513,3 +520,98 @@ def test_cli_serve_and_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_failure_turns_into_503_and_unhealthy(tiny_model_dir):
+    """A step that raises kills the engine thread: the open stream gets an error event and [DONE],
+    /health and new requests answer 503 with an OpenAI error body, and the HTTP server stays up."""
+    srv = RunningServer(tiny_model_dir, "paged")
+    try:
+        srv.assert_alive()
+        real_step, calls = srv.engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("simulated device failure")
+            return real_step()
+
+        srv.engine.step = failing_step
+        body = {"messages": CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.base + CHAT_URL, json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [e for e in r.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        err = json.loads(events[-2][len("data: "):])["error"]
+        assert err["type"] == "service_unavailable" and "simulated device failure" in err["message"]
+        health = httpx.get(srv.base + "/health")
+        assert health.status_code == 503 and "simulated device failure" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as e:
+            srv.client.chat.completions.create(model=SERVED, messages=_MSG, max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "engine_unavailable"
+        assert httpx.get(srv.base + "/v1/models").status_code == 200  # HTTP side still answers
+        assert httpx.get(srv.base + "/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------------- pieces, no server
+def test_request_models_are_strict_and_bounded():
+    from pydantic import ValidationError
+
+    from vmkv.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 3, "max_completion_tokens": 5,
+        "temperature": 0, "stop": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert ok.requested_max_tokens == 5 and ok.stop_list == ["x"] and ok.include_usage
+    assert ok.message_dicts() == [{"role": "user", "content": "a\nb"}]
+    assert CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
+    for bad in ({"prompt": "x", "temperature": "1"}, {"prompt": "x", "n": 1.5}, {"prompt": "x", "stream": 1},
+                {"prompt": "x", "stop": ["a"] * 17}, {"prompt": "x", "presence_penalty": 0.5},
+                {"prompt": [[]]}, {"prompt": "x", "best_of": 3}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(bad)
+
+
+def test_validation_message_names_the_field():
+    from vmkv.server.errors import validation_message
+
+    msg, param, code = validation_message([{"type": "less_than_equal", "loc": ("body", "temperature"),
+                                            "msg": "Input should be less than or equal to 2", "input": 5}])
+    assert (param, code) == ("temperature", "invalid_value") and msg == \
+        "temperature: Input should be less than or equal to 2 (got 5)"
+    msg, param, code = validation_message([
+        {"type": "string_type", "loc": ("body", "messages", 0, "content", "str"), "msg": "Input should be a valid string",
+         "input": 3},
+        {"type": "list_type", "loc": ("body", "messages", 0, "content", "list[TextContentPart]"),
+         "msg": "Input should be a valid list", "input": 3}])
+    assert param == "messages.0.content" and code == "invalid_type" and msg.count("messages.0.content") == 1
+    assert validation_message([{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error",
+                                "ctx": {"error": "Expecting value"}}])[2] == "invalid_json"
+
+
+def test_parse_bytes_and_cli_defaults_from_config():
+    import argparse
+
+    from vmkv.engine.config import CacheConfig, SchedulerConfig
+    from vmkv.server.cli import add_arguments, engine_kwargs, parse_bytes
+
+    assert parse_bytes("4096") == 4096 and parse_bytes("2MiB") == 2 << 20 and parse_bytes("1.5GB") == 1_500_000_000
+    for bad in ("", "12 parsecs", "0", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.host, args.port, args.backend) == ("127.0.0.1", 8000, CacheConfig().backend)
+    assert args.max_num_seqs == SchedulerConfig().max_num_seqs
+    assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    assert args.block_size == CacheConfig().block_size and args.layout == CacheConfig().layout
+    kw = engine_kwargs(parser.parse_args(["--backend", "vmem", "--memory-bytes", "64MiB", "--page-size-bytes",
+                                          "128KiB", "--no-prefix-caching"]))
+    assert kw["kv_backend"] == "vmem" and kw["memory_bytes"] == 64 << 20 and kw["page_size_bytes"] == 128 << 10
+    assert kw["enable_prefix_caching"] is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--memory-bytes", "1GiB", "--gpu-memory-utilization", "0.5"])

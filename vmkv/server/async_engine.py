@@ -129,6 +129,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        self._submit_lock = threading.Lock()
         self.model_name: str = str(getattr(engine, "model_name", "model"))
         self.max_model_len: int = int(getattr(engine, "max_model_len", 0))
 
@@ -153,7 +154,8 @@ class AsyncEngine:
         """Abort every open request, stop the engine thread and wait for it (at most ``timeout_s``)."""
         if self._thread is None:
             return
-        self._stopping = True
+        with self._submit_lock:
+            self._stopping = True
         self._commands.put((lambda: None, None))  # wake the thread if it is idle
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
         if self._thread.is_alive():
@@ -169,9 +171,11 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
 
     def _submit(self, fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
-        self._check_alive()
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._commands.put((fn, fut))
+        # under the lock, so no command slips in after the thread's last drain (it would never run)
+        with self._submit_lock:
+            self._check_alive()
+            self._commands.put((fn, fut))
         return fut
 
     def _check_alive(self) -> None:
@@ -299,22 +303,23 @@ class AsyncEngine:
                     self._dispatch(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             logger.exception("engine thread failed; failing all open requests")
-            self._dead = exc
+            with self._submit_lock:
+                self._dead = exc
             err = EngineDeadError(f"engine step failed: {exc!r}")
             for stream in self._streams.values():
                 stream._put(err)
             self._streams.clear()
             self._fail_pending(err)
-            return
-        # graceful stop: abort what is left so the KV is freed, and end every stream
-        for request_id, stream in list(self._streams.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001
-                logger.exception("abort of %s during shutdown failed", request_id)
-            stream._put(_CLOSED)
-        self._streams.clear()
-        self._fail_pending(EngineShutdownError("engine shut down"))
+        else:
+            # graceful stop: abort what is left so the KV is freed, and end every stream
+            for request_id, stream in list(self._streams.items()):
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort of %s during shutdown failed", request_id)
+                stream._put(_CLOSED)
+            self._streams.clear()
+            self._fail_pending(EngineShutdownError("engine shut down"))
         if self.close_engine_on_shutdown and hasattr(self.engine, "close"):
             try:
                 self.engine.close()

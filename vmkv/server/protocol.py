@@ -98,7 +98,7 @@ class SamplingRequestFields(_StrictRequest):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; null = 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; null = 1")
     top_k: int | None = Field(None, ge=-1, description="extension: -1 or null = off")
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description="per-request sampling seed")
     stop: str | list[str] | None = Field(None, description="up to MAX_STOP_SEQUENCES strings")
     stop_token_ids: list[int] | None = Field(None, description="extension")
     stream: bool = False

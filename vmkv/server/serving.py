@@ -124,8 +124,20 @@ class OpenAIServing:
         return room if default is None else min(default, room)
 
     @staticmethod
-    def _sampling_params(req: SamplingRequestFields, max_tokens: int) -> Any:
+    def _sampling_params(req: SamplingRequestFields, max_tokens: int, engine: Any) -> Any:
+        """Engine ``SamplingParams`` of a request (engine thread).
+
+        Raises:
+            OpenAIError(400): ``n`` above the engine's ``max_num_seqs`` (all ``n`` completions run
+                together), or a value the engine rejects.
+        """
         from vmkv.engine.sampling_params import SamplingParams
+
+        max_num_seqs = getattr(getattr(getattr(engine, "config", None), "scheduler", None), "max_num_seqs", None)
+        if max_num_seqs is not None and req.n > max_num_seqs:
+            raise OpenAIError(400, f"n={req.n} exceeds this server's max_num_seqs={max_num_seqs}; ask for "
+                                   f"at most {max_num_seqs} completions per prompt",
+                              param="n", code="invalid_value")
 
         try:
             return SamplingParams(
@@ -141,7 +153,9 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
             )
         except ValueError as exc:
-            raise OpenAIError(400, str(exc), code="invalid_value") from exc
+            first = str(exc).split(maxsplit=1)[0] if str(exc) else ""
+            raise OpenAIError(400, str(exc), param=first if first in type(req).model_fields else None,
+                              code="invalid_value") from exc
 
     async def _add(self, request_id: str, prepare: Callable[[Any], tuple], prompt_param: str,
                    arrival: float) -> RequestStream:
@@ -186,7 +200,7 @@ class OpenAIServing:
                                                   COMPLETION_DEFAULT_MAX_TOKENS, engine.max_model_len,
                                                   "prompt", "max_tokens")
                     return (prompt if isinstance(prompt, str) else None, ids,
-                            self._sampling_params(req, max_tokens))
+                            self._sampling_params(req, max_tokens, engine))
 
                 streams.append(await self._add(f"{request_id}-{i}", prepare, "prompt", arrival))
                 infos.append(info)
@@ -257,7 +271,7 @@ class OpenAIServing:
             max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, None, engine.max_model_len,
                                           "messages", "max_completion_tokens"
                                           if req.max_completion_tokens is not None else "max_tokens")
-            return None, ids, self._sampling_params(req, max_tokens)
+            return None, ids, self._sampling_params(req, max_tokens, engine)
 
         return await self._add(request_id, prepare, "messages", arrival), info
 

@@ -419,3 +419,52 @@ def test_cli_generate(tiny, backend, capsys):
     assert capsys.readouterr().out == want + "\n"
     assert main([*common, "--prompt", "x", "--temperature", "9"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workload_under_pressure(tiny, backend, seed):
+    """Mixed lengths, shared prefixes, n=2, aborts, a tight cache and a small step budget: every
+    step keeps the cache consistent, every request finishes, greedy outputs equal a run with
+    a roomy cache (itself checked against transformers above), and no KV is left behind."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(tiny["tokenizer"])
+    shared = random_prompts(vocab, [40], seed=100 + seed)[0]
+    reqs = []
+    for i in range(12):
+        n_tok = int(torch.randint(4, 50, (1,), generator=g))
+        p = random_prompts(vocab, [n_tok], seed=1000 * seed + i)[0]
+        if i % 3 == 0:
+            p = shared + p[:10]
+        params = greedy(int(torch.randint(3, 30, (1,), generator=g)), n=2 if i % 4 == 1 else 1)
+        reqs.append((f"r{i}", p, params))
+    aborted = {"r3", "r8"}
+
+    def run(engine, abort: bool):
+        for rid, p, params in reqs:
+            engine.add_request(rid, None, params, prompt_token_ids=p)
+        final, steps = {}, 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if abort and steps in (3, 9):
+                engine.abort_request("r3" if steps == 3 else "r8")
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            engine.kv_cache.check_integrity()
+        return final
+
+    roomy = run(make_engine(tiny, "paged", memory_bytes=2048 * BYTES_PER_TOKEN), abort=False)
+    engine = make_engine(tiny, backend, memory_bytes=160 * BYTES_PER_TOKEN, max_model_len=128,
+                         max_num_batched_tokens=24, max_num_seqs=6)
+    tight = run(engine, abort=True)
+    assert sorted(tight) == sorted(r[0] for r in reqs)
+    for rid, _, params in reqs:
+        outs = tight[rid].outputs
+        assert len(outs) == params.n
+        if rid in aborted:
+            assert all(c.finish_reason == "abort" for c in outs)
+            continue
+        assert [c.token_ids for c in outs] == [c.token_ids for c in roomy[rid].outputs], rid
+    stats = engine.get_stats()
+    assert stats.num_preempted_total > 0 and stats.num_prefill_chunks_total > 0
+    assert stats.kv_usage.used_tokens == 0 and stats.kv_usage.num_seqs == 0

@@ -73,6 +73,8 @@ def test_per_layer_arithmetic_and_views():
     for view in keys + values:
         assert view.shape == (2, 200, 2, 4) and view.stride() == (2048, 8, 4, 1)
         assert view.storage_offset() == 0
+    assert lay.key_view(bases, 1).data_ptr() == bases[2].data_ptr()
+    assert lay.value_view(bases, 0).data_ptr() == bases[1].data_ptr()
     values[0][1, 150, 0, 2] = 3.0          # V of layer 0 is reservation 1
     flat = bases[1].view(torch.float32)
     assert flat[1 * 2048 + 150 * 8 + 0 * 4 + 2].item() == 3.0

@@ -35,7 +35,8 @@ from vmkv.kvcache.base import (
 )
 from vmkv.kvcache.metadata import build_metadata
 from vmkv.kvcache.prefix import unit_hashes
-from vmkv.vmem.driver import DEFAULT_HOST_PAGE_BYTES, HostDriver, VMMDriver, get_driver
+from vmkv.vmem.driver import DEFAULT_HOST_PAGE_BYTES, VMMDriver, get_driver
+from vmkv.vmem.host_driver import HostDriver
 from vmkv.vmem.layout import LAYOUTS, make_layout
 from vmkv.vmem.mapper import Slot, SlotMapper
 from vmkv.vmem.page_pool import PagePool

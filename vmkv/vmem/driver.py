@@ -8,9 +8,9 @@ section 5 "CUDA virtual memory APIs"):
     drv.map(va + i * page, h)         # back one page of the range; ``unmap`` undoes it
     t = drv.as_tensor(va, nbytes)     # zero-copy torch view over (mapped parts of) the range
 
-* :class:`CudaDriver`: CUDA VMM through cuda-python (cuMemAddressReserve, cuMemCreate, cuMemMap,
+* :class:`CudaDriver` (``cuda_driver.py``): CUDA VMM through cuda-python (cuMemAddressReserve, cuMemCreate, cuMemMap,
   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree); page = allocation granularity (2 MiB).
-* :class:`HostDriver`: the same mechanism on Linux through libc: a ``PROT_NONE`` reservation, a
+* :class:`HostDriver` (``host_driver.py``): the same mechanism on Linux through libc: a ``PROT_NONE`` reservation, a
   ``memfd`` file as the physical pool and ``mmap(MAP_SHARED|MAP_FIXED)`` of file pages into it.
 
 Both drivers validate their arguments the same way (page-aligned addresses inside a reservation, no
@@ -22,12 +22,8 @@ host, an illegal address on CUDA); callers only touch mapped pages.
 from __future__ import annotations
 
 import abc
-import ctypes
-import ctypes.util
-import errno as errno_mod
+import importlib
 import logging
-import mmap
-import os
 
 import torch
 
@@ -37,6 +33,15 @@ logger = logging.getLogger(__name__)
 
 #: default page of the host driver (keeps the number of mappings under ``vm.max_map_count``)
 DEFAULT_HOST_PAGE_BYTES = 64 * 1024
+
+# the drivers live in their own modules; ``from vmkv.vmem.driver import HostDriver`` still works
+_LAZY = {"HostDriver": "vmkv.vmem.host_driver", "CudaDriver": "vmkv.vmem.cuda_driver"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class VMMError(RuntimeError):
@@ -264,283 +269,6 @@ class VMMDriver(abc.ABC):
         """Driver-specific teardown after everything is released."""
 
 
-# ---------------------------------------------------------------------------------------- host
-_PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MFD_CLOEXEC = 0x0001
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _errno_text(err: int) -> str:
-    return f"{errno_mod.errorcode.get(err, str(err))} ({os.strerror(err)})"
-
-
-class HostDriver(VMMDriver):
-    """Linux virtual memory through libc (ctypes): the CPU twin of :class:`CudaDriver`.
-
-    Reservation: ``mmap(NULL, n, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``.  Physical pool:
-    one ``memfd_create`` file grown with ``ftruncate``; a page handle is the page's byte offset in
-    it, released offsets are reused (their memory is returned with ``fallocate(PUNCH_HOLE)``).
-    Map: ``mmap(va, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, fd, offset)``, so two
-    addresses mapping one handle share memory.  Unmap: re-map ``PROT_NONE`` anonymous over the page,
-    which keeps the range reserved.
-
-    Args:
-        device: must be a CPU device.
-        page_size_bytes: a multiple of the OS page size (default 64 KiB).
-    Raises:
-        ValueError: bad device or page size.  VMMError: a libc call failed.
-    """
-
-    name = "host"
-    calls = {"reserve": "mmap", "free_reservation": "munmap", "create_page": "ftruncate",
-             "release": "fallocate", "map": "mmap", "unmap": "mmap", "as_tensor": "as_tensor",
-             "copy_page": "memmove"}
-
-    def __init__(self, device: torch.device | str = "cpu", page_size_bytes: int | None = None) -> None:
-        device = torch.device(device)
-        if device.type != "cpu":
-            raise ValueError(f"HostDriver serves CPU tensors, got device {device}; use the cuda driver")
-        page = DEFAULT_HOST_PAGE_BYTES if page_size_bytes is None else int(page_size_bytes)
-        if page <= 0 or page % mmap.PAGESIZE:
-            raise ValueError(f"page_size_bytes must be a positive multiple of the OS page size "
-                             f"{mmap.PAGESIZE}, got {page_size_bytes}")
-        super().__init__(device, page)
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.memfd_create.argtypes = [ctypes.c_char_p, ctypes.c_uint]
-        libc.ftruncate.argtypes = [ctypes.c_int, ctypes.c_long]
-        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        self._libc = libc
-        fd = libc.memfd_create(b"vmkv-kv-pages", _MFD_CLOEXEC)
-        if fd < 0:
-            raise VMMError("memfd_create", _errno_text(ctypes.get_errno()))
-        self._fd = fd
-        self._file_pages = 0
-        self._free_offsets: list[int] = []
-
-    def _fail(self, call: str, detail: str = "") -> VMMError:
-        return VMMError(call, _errno_text(ctypes.get_errno()), detail)
-
-    def _mmap(self, va, nbytes, prot, flags, fd, offset, what: str) -> int:
-        ret = self._libc.mmap(va, nbytes, prot, flags, fd, offset)
-        if ret is None or ret == _MAP_FAILED:
-            raise self._fail("mmap", what)
-        return ret
-
-    def _reserve(self, nbytes: int) -> int:
-        return self._mmap(None, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE,
-                          -1, 0, f"reserve {nbytes} bytes PROT_NONE")
-
-    def _free_reservation(self, va: int, nbytes: int) -> None:
-        if self._libc.munmap(va, nbytes) != 0:
-            raise self._fail("munmap", f"{va:#x}+{nbytes}")
-
-    def _create_page(self) -> int:
-        if self._free_offsets:
-            return self._free_offsets.pop()
-        offset = self._file_pages * self.page_size_bytes
-        if self._libc.ftruncate(self._fd, offset + self.page_size_bytes) != 0:
-            raise self._fail("ftruncate", f"grow the page file to {offset + self.page_size_bytes} bytes")
-        self._file_pages += 1
-        return offset
-
-    def _release(self, handle: int) -> None:
-        # give the memory back to the OS; the next page created at this offset reads as zeros
-        if self._libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle,
-                                self.page_size_bytes) != 0:
-            raise self._fail("fallocate", f"punch hole at offset {handle}")
-        self._free_offsets.append(handle)
-
-    def _map(self, va: int, handle: int) -> None:
-        ret = self._mmap(va, self.page_size_bytes, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED,
-                         self._fd, handle, f"map page at offset {handle} to {va:#x}")
-        if ret != va:  # MAP_FIXED never moves; a different address means the kernel ignored it
-            raise VMMError("mmap", "EFAULT", f"MAP_FIXED returned {ret:#x}, wanted {va:#x}")
-
-    def _unmap(self, va: int) -> None:
-        self._mmap(va, self.page_size_bytes, _PROT_NONE,
-                   _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0,
-                   f"re-reserve {va:#x} PROT_NONE")
-
-    def _tensor(self, va: int, nbytes: int) -> torch.Tensor:
-        buf = (ctypes.c_uint8 * nbytes).from_address(va)
-        return torch.frombuffer(buf, dtype=torch.uint8)
-
-    def copy_page(self, dst_va: int, src_va: int) -> None:
-        for va in (dst_va, src_va):
-            if va not in self._mappings:
-                raise self._invalid("copy_page", f"va={va:#x} is not mapped")
-        ctypes.memmove(dst_va, src_va, self.page_size_bytes)
-
-    @property
-    def file_pages(self) -> int:
-        """Pages the memfd file has grown to (live + free offsets)."""
-        return self._file_pages
-
-    def _close(self) -> None:
-        os.close(self._fd)
-
-
-# ---------------------------------------------------------------------------------------- cuda
-class CudaDriver(VMMDriver):
-    """CUDA VMM through cuda-python's ``cuda.bindings.driver`` (imported here only).
-
-    Works in torch's primary context of ``device`` (retained with cuDevicePrimaryCtxRetain and made
-    current before every call, so tensors over the reservation are usable by torch).  Pages are
-    ``CU_MEM_ALLOCATION_TYPE_PINNED`` device memory of ``page_size_bytes`` (default: the minimum
-    allocation granularity, 2 MiB on Hopper); every mapping gets read/write access for the device.
-    Every ``CUresult`` is checked: a failure raises ``VMMError("cuMemMap failed: CUDA_ERROR_...")``.
-
-    Args:
-        device: a CUDA device (``"cuda"`` means the current one).
-        page_size_bytes: a multiple of the allocation granularity.
-    Raises:
-        ValueError: bad device or page size.  VMMError: a driver call failed.
-        ImportError: cuda-python is not installed.
-    """
-
-    name = "cuda"
-    calls = {"reserve": "cuMemAddressReserve", "free_reservation": "cuMemAddressFree",
-             "create_page": "cuMemCreate", "release": "cuMemRelease", "map": "cuMemMap",
-             "unmap": "cuMemUnmap", "as_tensor": "as_tensor", "copy_page": "copy_page"}
-    invalid_code = "CUDA_ERROR_INVALID_VALUE"
-
-    def __init__(self, device: torch.device | str = "cuda", page_size_bytes: int | None = None) -> None:
-        from cuda.bindings import driver as cu  # noqa: PLC0415 - only this driver needs cuda-python
-
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"CudaDriver needs a CUDA device, got {device}; use the host driver")
-        if not torch.cuda.is_available():
-            raise ValueError("CudaDriver needs CUDA, but torch.cuda.is_available() is False")
-        index = torch.cuda.current_device() if device.index is None else device.index
-        device = torch.device("cuda", index)
-        torch.cuda.init()
-        torch.empty(1, device=device)  # make sure torch created the primary context of the device
-        self._cu = cu
-        self._check("cuInit", cu.cuInit(0))
-        self._cudev = self._check("cuDeviceGet", cu.cuDeviceGet(index))
-        self._ctx = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._cudev))
-        self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = index
-        self._prop = prop
-        gran = int(self._check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
-        page = gran if page_size_bytes is None else int(page_size_bytes)
-        if page <= 0 or page % gran:
-            self._check("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(self._cudev))
-            raise ValueError(f"page_size_bytes must be a positive multiple of the CUDA allocation "
-                             f"granularity {gran}, got {page_size_bytes}")
-        self.granularity_bytes = gran
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = index
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [access]
-        self._handles: dict[int, object] = {}  # int(handle) -> CUmemGenericAllocationHandle
-        super().__init__(device, page)
-
-    def _check(self, call: str, result):
-        """Unpack a cuda-python result tuple ``(CUresult, *values)``; raise VMMError on failure."""
-        err, *values = result if isinstance(result, tuple) else (result,)
-        if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise VMMError(call, getattr(err, "name", str(err)))
-        if not values:
-            return None
-        return values[0] if len(values) == 1 else tuple(values)
-
-    def _enter(self) -> None:
-        # the VMM calls need a current context on this thread (e.g. a server worker thread)
-        self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._ctx))
-
-    def _reserve(self, nbytes: int) -> int:
-        self._enter()
-        ptr = self._check("cuMemAddressReserve",
-                          self._cu.cuMemAddressReserve(nbytes, self.granularity_bytes, 0, 0))
-        return int(ptr)
-
-    def _free_reservation(self, va: int, nbytes: int) -> None:
-        self._enter()
-        self._check("cuMemAddressFree", self._cu.cuMemAddressFree(va, nbytes))
-
-    def _create_page(self) -> int:
-        self._enter()
-        handle = self._check("cuMemCreate", self._cu.cuMemCreate(self.page_size_bytes, self._prop, 0))
-        key = int(handle)
-        self._handles[key] = handle
-        return key
-
-    def _release(self, handle: int) -> None:
-        self._enter()
-        self._check("cuMemRelease", self._cu.cuMemRelease(self._handles[handle]))
-        del self._handles[handle]
-
-    def _map(self, va: int, handle: int) -> None:
-        self._enter()
-        cu, page = self._cu, self.page_size_bytes
-        self._check("cuMemMap", cu.cuMemMap(va, page, 0, self._handles[handle], 0))
-        try:
-            self._check("cuMemSetAccess", cu.cuMemSetAccess(va, page, self._access, 1))
-        except VMMError:
-            cu.cuMemUnmap(va, page)
-            raise
-
-    def _unmap(self, va: int) -> None:
-        self._enter()
-        self._check("cuMemUnmap", self._cu.cuMemUnmap(va, self.page_size_bytes))
-
-    def _tensor(self, va: int, nbytes: int) -> torch.Tensor:
-        make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-        if make is not None:
-            # a storage over the raw pointer, no deleter, no pointer-attribute query (the range is
-            # mostly unmapped, which cudaPointerGetAttributes would reject)
-            storage = make(va, self.device, nbytes)
-            return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
-        return self._tensor_via_cai(va, nbytes)
-
-    def _tensor_via_cai(self, va: int, nbytes: int) -> torch.Tensor:
-        """Fallback: ``__cuda_array_interface__``; torch asks the driver which device owns ``va``,
-        so a scratch page is mapped at ``va`` while the tensor is made."""
-        holder = type("_CudaArray", (), {})()
-        holder.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (va, False),
-                                           "version": 3, "strides": None}
-        scratch = None
-        if va not in self._mappings:
-            scratch = self.create_page()
-            self.map(va, scratch)
-        try:
-            with torch.cuda.device(self.device):
-                return torch.as_tensor(holder, device=self.device)
-        finally:
-            if scratch is not None:
-                self.unmap(va)
-                self.release(scratch)
-
-    def record_fence(self) -> object:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def fence_done(self, fence: object) -> bool:
-        return fence is None or fence.query()
-
-    def wait_fence(self, fence: object) -> None:
-        if fence is not None:
-            fence.synchronize()
-
-    def _close(self) -> None:
-        self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._cudev))
-
-
 def get_driver(kind: str, device: torch.device | str, page_size_bytes: int | None = None) -> VMMDriver:
     """Make a driver.
 
@@ -555,7 +283,9 @@ def get_driver(kind: str, device: torch.device | str, page_size_bytes: int | Non
     if kind == "auto":
         kind = "cuda" if device.type == "cuda" else "host"
     if kind == "cuda":
+        from vmkv.vmem.cuda_driver import CudaDriver  # noqa: PLC0415
         return CudaDriver(device, page_size_bytes)
     if kind == "host":
+        from vmkv.vmem.host_driver import HostDriver  # noqa: PLC0415
         return HostDriver(device, page_size_bytes)
     raise ValueError(f"unknown vmem driver {kind!r}; choose 'auto', 'cuda' or 'host'")

@@ -76,6 +76,14 @@ class VMemLayout(abc.ABC):
             bases: one uint8 ``[reservation_bytes]`` tensor per reservation.
         """
 
+    def key_view(self, bases: list[torch.Tensor], layer: int) -> torch.Tensor:
+        """K of ``layer``: ``[max_num_seqs, max_model_len, H, D]`` view of ``spec.dtype`` over ``bases``."""
+        return self.kv_views(bases)[0][layer]
+
+    def value_view(self, bases: list[torch.Tensor], layer: int) -> torch.Tensor:
+        """V of ``layer``: ``[max_num_seqs, max_model_len, H, D]`` view of ``spec.dtype`` over ``bases``."""
+        return self.kv_views(bases)[1][layer]
+
     # ------------------------------------------------------------------ shared arithmetic
     @property
     def pages_per_unit(self) -> int:

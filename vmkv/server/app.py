@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vmkv.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
+from vmkv.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
 from vmkv.server.errors import OpenAIError, error_response, install_error_handlers
 from vmkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from vmkv.server.protocol import (
@@ -51,9 +51,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, headers=headers, **kwargs)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -74,6 +76,8 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+            if self.on_close is not None:  # also covers an iterator that never started
+                self.on_close()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
@@ -158,6 +162,20 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     app.state.serving = serving
     install_error_handlers(app)
 
+    def _abort_unfinished(streams: list[RequestStream]) -> None:
+        """Safety net for every exit path: abort what did not finish (idempotent)."""
+        for s in streams:
+            if not s.finished:
+                async_engine.abort(s.request_id)
+
+    async def _collect(request: Request, streams: list[RequestStream]) -> list[Any] | None:
+        try:
+            return await _until_disconnect(request, collect(streams))
+        except (EngineDeadError, EngineShutdownError) as exc:
+            raise _engine_error(exc) from exc
+        finally:
+            _abort_unfinished(streams)
+
     def _engine_error(exc: Exception) -> OpenAIError:
         return OpenAIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
 
@@ -189,11 +207,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         arrival, created = now()
         streams, infos = await serving.completion_streams(req, request_id, arrival)
         if req.stream:
-            return SSEResponse(serving.completion_sse(req, request_id, created, streams, infos))
-        try:
-            finals = await _until_disconnect(request, collect(streams))
-        except (EngineDeadError, EngineShutdownError) as exc:
-            raise _engine_error(exc) from exc
+            return SSEResponse(serving.completion_sse(req, request_id, created, streams, infos),
+                               on_close=lambda: _abort_unfinished(streams))
+        finals = await _collect(request, streams)
         if finals is None:
             return Response(status_code=499)
         return JSONResponse(serving.completion_response(req, request_id, created, finals, infos).model_dump())
@@ -205,11 +221,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         arrival, created = now()
         stream, _info = await serving.chat_stream(req, request_id, arrival)
         if req.stream:
-            return SSEResponse(serving.chat_sse(req, request_id, created, stream))
-        try:
-            finals = await _until_disconnect(request, collect([stream]))
-        except (EngineDeadError, EngineShutdownError) as exc:
-            raise _engine_error(exc) from exc
+            return SSEResponse(serving.chat_sse(req, request_id, created, stream),
+                               on_close=lambda: _abort_unfinished([stream]))
+        finals = await _collect(request, [stream])
         if finals is None:
             return Response(status_code=499)
         return JSONResponse(serving.chat_response(request_id, created, finals[0]).model_dump())

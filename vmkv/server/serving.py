@@ -34,7 +34,6 @@ from vmkv.server.protocol import (
     DeltaMessage,
     SamplingRequestFields,
     UsageInfo,
-    random_id,
 )
 
 if TYPE_CHECKING:

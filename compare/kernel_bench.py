@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from vmkv.kernels import reference as ref
-from vmkv.kernels.decode_attention import choose_num_splits, decode_attention
-from vmkv.kernels.prefill_attention import prefill_attention
+from vmkv.kernels.decode_attention import choose_num_splits, decode_attention, default_launch
+from vmkv.kernels.prefill_attention import default_config, prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-tokens", type=int, default=2 * 1024 * 1024, help="skip decode points with batch*context above")
     a("--prefill-contexts", default="1024,2048,4096,8192,16384,32768")
     a("--block-sizes", default="16,256", help="paged block sizes (tokens)")
-    a("--flex-points", default="64x4096,1x4096,256x4096,64x32768",
+    a("--flex-points", default="64x4096,1x4096,256x4096,16x32768,64x32768",
       help="BATCHxCONTEXT decode points that also run flex_attention ('none' to skip; each compiles)")
     a("--flex-page", type=int, default=128, help="page size (tokens) of the flex_attention paged block mask")
     a("--megacache-layers", type=int, default=32, help="layers of the megacache reservation (fewer if "
@@ -73,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--head-dim", type=int, default=128)
     a("--dtype", default="bf16", choices=sorted(DTYPES))
     a("--rep-ms", type=int, default=50, help="do_bench repetition budget per variant (ms)")
-    a("--tune", action="store_true", help="sweep tile configs at batch 64 x 4096 (decode) and 8K (prefill) "
-      "first and use the best in the grid")
+    a("--tune", action="store_true", help="sweep launch configs at batch 64 x 4096 (decode; split-K waves at "
+      "4 x 32768) and 8K (prefill) first and use the best in the grid; default: the kernels' own defaults")
     a("--seed", type=int, default=0)
     a("--device", default="cuda", help="cuda (measurements) or cpu (functional smoke run, TRITON_INTERPRET=1)")
 
@@ -164,12 +164,23 @@ def flex_paged(k: torch.Tensor, v: torch.Tensor, page: int, gen: torch.Generator
     return kf, vf, mask
 
 
+SDPA_NOTES: dict = {}  # inputs the flash backend refused (then SDPA picks its backend); written to the JSON
+
+
 def _sdpa_flash(q, k, v, **kw):
+    """SDPA restricted to the flash backend; if flash refuses the inputs, SDPA's own choice (noted)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v, **kw)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        return F.scaled_dot_product_attention(q, k, v, **kw)
+    key = f"q{tuple(q.stride())} k{tuple(k.stride())} causal={kw.get('is_causal', False)}"
+    if key not in SDPA_NOTES:
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        except RuntimeError as exc:
+            SDPA_NOTES[key] = f"flash refused, SDPA default used: {exc}"[:400]
+            logger.warning("SDPA flash refused %s: %s", key, exc)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -182,8 +193,9 @@ class Bench:
         self.scale = self.d ** -0.5
         self.timer = Timer(self.device, args.rep_ms)
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed)
-        self.decode_cfg = {"paged": (64, 4, 2, 2.0), "contiguous": (64, 4, 2, 2.0)}  # bn, warps, stages, waves
-        self.prefill_cfg = {"paged": None, "contiguous": None}
+        # one launch config for both layouts (the kernel body is shared); None: the kernels' defaults
+        self.decode_cfg: tuple | None = None    # (block_n, num_warps, num_stages, waves)
+        self.prefill_cfg: tuple | None = None   # (BLOCK_M, BLOCK_N, num_warps, num_stages)
         self.copy_gbps = float("nan")
         self._flex = None
         self.only: set | None = None  # measure only these variants (tuning)
@@ -231,7 +243,7 @@ class Bench:
         return row
 
     # ---------------------------------------------------------------------------------- decode
-    def decode_point(self, batch: int, ctx: int, rows: list, flex: bool, configs=None) -> None:
+    def decode_point(self, batch: int, ctx: int, rows: list, flex: bool) -> None:
         a, dev = self.args, self.device
         k, v = self.randn(batch, ctx, self.hkv, self.d), self.randn(batch, ctx, self.hkv, self.d)
         q = self.randn(batch, self.hq, self.d)
@@ -256,11 +268,18 @@ class Bench:
         del kb, vb
 
         def ours(kc, vc, family, **kw):
-            bn, w, st, waves = self.decode_cfg[family]
+            if self.decode_cfg is None:  # exactly what the engine's ops path runs
+                bn, w, st, waves = default_launch(self.d)
+                fn = lambda: decode_attention(q, kc, vc, seq_lens, max_seq_len=ctx, scale=self.scale,  # noqa: E731
+                                              **kw)
+            else:
+                bn, w, st, waves = self.decode_cfg
+                splits = choose_num_splits(batch, self.hkv, ctx, dev, bn, waves=waves)
+                fn = lambda: decode_attention(q, kc, vc, seq_lens, max_seq_len=ctx, scale=self.scale,  # noqa: E731
+                                              num_splits=splits, block_n=bn, num_warps=w, num_stages=st, **kw)
             splits = choose_num_splits(batch, self.hkv, ctx, dev, bn, waves=waves)
-            fn = lambda: decode_attention(q, kc, vc, seq_lens, max_seq_len=ctx, scale=self.scale,  # noqa: E731
-                                          num_splits=splits, block_n=bn, num_warps=w, num_stages=st, **kw)
-            return fn, {"num_splits": splits, "config": [bn, w, st]}
+            return fn, {"num_splits": splits, "config": [bn, w, st, waves],
+                        "config_source": "kernel default" if self.decode_cfg is None else "tuned in this run"}
 
         for bs in _ints(a.block_sizes):
             if self.wants(f"triton_paged_bs{bs}"):
@@ -292,7 +311,7 @@ class Bench:
         self.release()
 
     # ---------------------------------------------------------------------------------- prefill
-    def prefill_point(self, ctx: int, rows: list) -> None:
+    def prefill_point(self, ctx: int, rows: list, _unused=None) -> None:
         a, dev = self.args, self.device
         k, v = self.randn(1, ctx, self.hkv, self.d), self.randn(1, ctx, self.hkv, self.d)
         q = self.randn(ctx, self.hq, self.d)
@@ -322,9 +341,11 @@ class Bench:
         del qbc, kb, vb
 
         def ours(kc, vc, family, **kw):
-            cfg = self.prefill_cfg[family]
+            cfg = self.prefill_cfg
             return (lambda: prefill_attention(q, kc, vc, qsl, seq_lens, max_query_len=ctx, scale=self.scale,
-                                              config=cfg, **kw)), {"config": cfg}
+                                              config=cfg, **kw)), {
+                "config": list(cfg or default_config(self.d, ctx, self.dtype)),
+                "config_source": "kernel default" if cfg is None else "tuned in this run"}
 
         for bs in _ints(a.block_sizes):
             if self.wants(f"triton_paged_bs{bs}"):
@@ -356,41 +377,45 @@ class Bench:
             self.only = saved
         return rows[0].get("ms") if rows else None
 
-    def tune(self, batch: int, ctx: int, prefill_ctx: int) -> dict:
-        """Pick the fastest decode (block_n, warps, stages, waves) and prefill tiles per layout family
-        (paged: block size 16; contiguous: megacache views)."""
-        log: dict = {"point": {"decode": [batch, ctx], "prefill": prefill_ctx}, "decode": [], "prefill": []}
+    def tune(self, batch: int, ctx: int, prefill_ctx: int, split_point: tuple[int, int]) -> dict:
+        """Pick one decode (block_n, warps, stages) and one prefill tile config for both layouts by the
+        sum of paged (block 16) and contiguous (megacache) times; then the split-K waves at a small-batch
+        long-context point where splitting matters."""
+        pair = ("triton_paged_bs16", "triton_contig_megacache")
+        log: dict = {"points": {"decode": [batch, ctx], "split": list(split_point), "prefill": prefill_ctx},
+                     "decode": [], "waves": [], "prefill": []}
+
+        def sweep(configs, attr, point, entry):
+            best = None
+            for cfg in configs:
+                setattr(self, attr, cfg)
+                rows: list = []
+                saved, self.only = self.only, set(pair)
+                try:
+                    point(rows)
+                finally:
+                    self.only = saved
+                ms = {r["variant"]: r.get("ms") for r in rows}
+                total = sum(ms.values()) if len(ms) == 2 and None not in ms.values() else None
+                log[entry].append({"config": cfg, "ms": ms})
+                if total is not None and (best is None or total < best[1]):
+                    best = (cfg, total)
+            setattr(self, attr, best[0] if best else None)
+            logger.info("tuned %s: %s", entry, best)
+            return best
+
         saved_bs = self.args.block_sizes
         self.args.block_sizes = "16"
         try:
-            for family, variant in (("paged", "triton_paged_bs16"), ("contiguous", "triton_contig_megacache")):
-                point = lambda rows: self.decode_point(batch, ctx, rows, flex=False)  # noqa: E731
-                best = None
-                cands = [(bn, w, s, 2.0) for bn, w, s in DECODE_TUNE]
-                for stage in (0, 1):
-                    for cfg in cands:
-                        self.decode_cfg[family] = cfg
-                        ms = self._tuned_ms(point, variant)
-                        log["decode"].append({"family": family, "config": cfg, "ms": ms})
-                        if ms is not None and (best is None or ms < best[1]):
-                            best = (cfg, ms)
-                    cands = [(*best[0][:3], waves) for waves in (1.0, 4.0, 8.0)]
-                self.decode_cfg[family] = best[0]
-                logger.info("decode %s: best %s %.4f ms", family, *best)
-            for family, variant in (("paged", "triton_paged_bs16"), ("contiguous", "triton_contig_megacache")):
-                point = lambda rows: self.prefill_point(prefill_ctx, rows)  # noqa: E731
-                best = None
-                for cfg in PREFILL_TUNE:
-                    self.prefill_cfg[family] = cfg
-                    ms = self._tuned_ms(point, variant)
-                    log["prefill"].append({"family": family, "config": cfg, "ms": ms})
-                    if ms is not None and (best is None or ms < best[1]):
-                        best = (cfg, ms)
-                self.prefill_cfg[family] = best[0] if best else None
-                logger.info("prefill %s: best %s", family, best)
+            best = sweep([(bn, w, s, 2.0) for bn, w, s in DECODE_TUNE], "decode_cfg",
+                         lambda rows: self.decode_point(batch, ctx, rows, flex=False), "decode")
+            if best:
+                sweep([(*best[0][:3], waves) for waves in (1.0, 2.0, 4.0)], "decode_cfg",
+                      lambda rows: self.decode_point(*split_point, rows, flex=False), "waves")
+            sweep(PREFILL_TUNE, "prefill_cfg", lambda rows: self.prefill_point(prefill_ctx, rows), "prefill")
         finally:
             self.args.block_sizes = saved_bs
-        log["chosen"] = {"decode": dict(self.decode_cfg), "prefill": dict(self.prefill_cfg)}
+        log["chosen"] = {"decode": self.decode_cfg, "prefill": self.prefill_cfg}
         return log
 
 
@@ -413,30 +438,40 @@ def run(args: argparse.Namespace) -> int:
     bench.copy_gbps = result["copy_bandwidth"]["gbps"]
     logger.info("copy bandwidth %.0f GB/s", bench.copy_gbps)
     if args.tune:
-        result["tuning"] = bench.tune(64 if bench.device.type == "cuda" else 2,
-                                      4096 if bench.device.type == "cuda" else _ints(args.contexts)[0],
-                                      8192 if bench.device.type == "cuda" else _ints(args.prefill_contexts)[0])
+        cuda = bench.device.type == "cuda"
+        result["tuning"] = bench.tune(64 if cuda else 2, 4096 if cuda else _ints(args.contexts)[0],
+                                      8192 if cuda else _ints(args.prefill_contexts)[0],
+                                      (4, 32768) if cuda else (1, _ints(args.contexts)[0]))
         write_outputs(out_dir, result, with_plot=False)
+    def guarded(fn, *point):
+        try:
+            fn(*point)
+        except Exception as exc:  # a point whose setup fails is recorded, the run goes on
+            logger.exception("point %s failed", point)
+            result.setdefault("failed_points", []).append({"point": list(point[:-2]), "error": repr(exc)[:500]})
+            bench.release()
+
     for ctx in _ints(args.prefill_contexts):
-        bench.prefill_point(ctx, result["prefill"])
+        guarded(bench.prefill_point, ctx, result["prefill"], None)
         logger.info("prefill %d done (%.0f s)", ctx, time.perf_counter() - t_start)
     write_outputs(out_dir, result, with_plot=False)
     for ctx in _ints(args.contexts):
         for batch in _ints(args.batches):
             if batch * ctx > args.max_tokens:
                 continue
-            bench.decode_point(batch, ctx, result["decode"], flex=False)
+            guarded(bench.decode_point, batch, ctx, result["decode"], False)
             logger.info("decode %dx%d done (%.0f s)", batch, ctx, time.perf_counter() - t_start)
         write_outputs(out_dir, result, with_plot=False)
     # flex_attention last: every shape compiles (tens of seconds each)
     bench.only = {f"flex_paged_p{args.flex_page}"}
     for batch, ctx in _points(args.flex_points):
-        bench.decode_point(batch, ctx, result["decode"], flex=True)
+        guarded(bench.decode_point, batch, ctx, result["decode"], True)
         logger.info("flex %dx%d done (%.0f s)", batch, ctx, time.perf_counter() - t_start)
         write_outputs(out_dir, result, with_plot=False)
     bench.only = None
     result["decode_config"] = bench.decode_cfg
     result["prefill_config"] = bench.prefill_cfg
+    result["sdpa_notes"] = SDPA_NOTES
     result["summary"] = summarize(result)
     result["wall_s"] = time.perf_counter() - t_start
     paths = write_outputs(out_dir, result, with_plot=True)

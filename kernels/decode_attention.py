@@ -134,6 +134,12 @@ def _decode_reduce_kernel(
              mask=mask_d)
 
 
+def default_launch(head_dim: int) -> tuple[int, int, int, float]:
+    """``(block_n, num_warps, num_stages, waves)`` used when not given; tuned on the H200 at batch 64 x
+    4096, GQA 4, head_dim 128, bf16 (docs/results/kernels/README.md): the same for both layouts."""
+    return (64 if _checks.head_block(head_dim) <= 128 else 32), 4, 2, 2.0
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                       block_n: int, min_tokens_per_split: int = 256, waves: float = 2.0) -> int:
     """Splits of the context so that ``num_seqs * num_kv_heads * splits`` fills about ``waves`` waves
@@ -150,8 +156,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                      block_tables: torch.Tensor | None = None,
                      slot_indices: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
-                     block_n: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (paged or contiguous layout).
 
     Exactly one of ``block_tables`` (paged) and ``slot_indices`` (contiguous vmem slots) is given.
@@ -169,7 +175,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         slot_indices: contiguous: ``int32 [num_seqs]`` slot of each sequence.
         out: optional ``[num_seqs, num_heads, head_dim]`` output in ``q.dtype`` (written fully).
         num_splits: split-K chunks per sequence (default: :func:`choose_num_splits`).
-        block_n, num_warps, num_stages: tile size in tokens and launch configuration.
+        block_n, num_warps, num_stages: tile size in tokens and launch configuration (default:
+            :func:`default_launch`).
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
@@ -210,10 +217,12 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         return out
 
     block_d = _checks.head_block(head_dim)
-    if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
+    d_block_n, d_warps, d_stages, waves = default_launch(head_dim)
+    block_n = block_n or d_block_n
+    num_warps = num_warps or d_warps
+    num_stages = num_stages or d_stages
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device, block_n)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device, block_n, waves=waves)
     tokens_per_split = -(-max_seq_len // num_splits)
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
     num_splits = -(-max_seq_len // tokens_per_split)

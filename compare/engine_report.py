@@ -32,7 +32,8 @@ def vmm_latency(run: dict) -> dict:
 def _pair(d: dict | None) -> str:
     if not d or d.get("p50") is None:
         return "-"
-    return f"{_f(d['p50'], 1)}/{_f(d['p99'], 1)}"
+    short = (lambda x: f"{x:.1f}" if x < 100 else f"{x:.0f}")
+    return f"{short(d['p50'])}/{short(d['p99'])}"
 
 
 def serving_rows(runs: list[dict]) -> list[list[str]]:

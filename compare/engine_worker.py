@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     with open(argv[0]) as f:
         cfg = json.load(f)
-    write_json(argv[1], run_worker(cfg))
+    write_json(argv[1], run_worker(cfg), indent=None)
     return 0
 
 

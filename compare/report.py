@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -117,11 +118,19 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as strict JSON (see :func:`to_jsonable`); returns the path."""
+# an indented JSON array of numbers; real newlines never occur inside JSON strings, so strings are safe
+_NUMERIC_ARRAY = re.compile(r"\[\n\s*((?:-?[0-9][0-9.eE+-]*|null)(?:,\n\s*(?:-?[0-9][0-9.eE+-]*|null))*)\n\s*\]")
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> Path:
+    """Write ``obj`` as strict JSON (see :func:`to_jsonable`); ``indent=None`` for compact raw samples."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_jsonable(obj), indent=1, allow_nan=False) + "\n")
+    sep = None if indent else (",", ":")
+    text = json.dumps(to_jsonable(obj), indent=indent, separators=sep, allow_nan=False)
+    if indent:  # keep arrays of numbers on one line: raw samples stay readable and small
+        text = _NUMERIC_ARRAY.sub(lambda m: "[" + "".join(m.group(1).split()) + "]", text)
+    path.write_text(text + "\n")
     return path
 
 

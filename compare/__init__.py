@@ -1,8 +1,10 @@
 """Head-to-head comparisons of the paged and vmem KV backends (``vmkv compare``, ``vmkv bench``).
 
 Modules: ``workloads`` (seeded requests), ``metrics`` (TTFT/TPOT/ITL/E2E, throughput, goodput),
-``alloc_sim`` (GPU-free allocator arithmetic), ``engine_bench`` + ``engine_worker`` (the engine on both
-backends, one fresh process each), ``bench_cli`` (load client for OpenAI-compatible servers),
-``report`` (tables, JSON, markdown, plots), ``kernel_bench`` (kernel microbenchmarks).
+``shapes`` (named model shapes), ``alloc_sim`` + ``alloc_cli`` (GPU-free allocator arithmetic,
+``vmkv compare alloc``), ``engine_bench`` + ``engine_worker`` + ``engine_report`` (the engine on both
+backends, one fresh process each, ``vmkv compare engine``), ``bench_cli`` (``vmkv bench serve``, a load
+client for OpenAI-compatible servers), ``report`` (environment, JSON, tables, markdown, plots),
+``kernel_bench`` (kernel microbenchmarks, ``vmkv compare kernels``), ``cli`` (the dispatcher).
 Nothing here imports torch.cuda or the engine at import time.
 """

@@ -147,7 +147,7 @@ def _result(scheme: str, spec: KVCacheSpec, lengths: np.ndarray, alloc_per_seq: 
     waste_tok = (alloc_per_seq - lengths * bpt) / bpt
     mean_alloc = allocated / lengths.size
     # a per_layer page holds tokens of one layer's K or V only
-    token_bytes = spec.num_kv_heads * spec.head_bytes if scheme == "vmem-per_layer" else bpt
+    token_bytes = spec.bytes_per_token_per_layer // 2 if scheme == "vmem-per_layer" else bpt
     return SchemeResult(
         scheme=scheme, unit_bytes=int(unit_bytes), tokens_per_unit=unit_bytes / token_bytes,
         block_size=block_size, page_size_bytes=page_size_bytes, num_seqs=int(lengths.size),
@@ -187,7 +187,7 @@ def simulate_vmem(lengths: Sequence[int], spec: KVCacheSpec, page_size_bytes: in
     if layout == "megacache":
         pages = units_needed(arr * spec.bytes_per_token, page_size_bytes)
     else:
-        per_reservation = units_needed(arr * (spec.num_kv_heads * spec.head_bytes), page_size_bytes)
+        per_reservation = units_needed(arr * (spec.bytes_per_token_per_layer // 2), page_size_bytes)
         pages = 2 * spec.num_layers * per_reservation
     return _result(f"vmem-{layout}", spec, arr, pages * page_size_bytes, pages, page_size_bytes,
                    memory_bytes, page_size_bytes=page_size_bytes)

@@ -89,6 +89,20 @@ def ratio_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
+DETAIL_COLUMNS = ["scenario", "backend", "metric (ms)", "mean", "p50", "p90", "p99", "n"]
+
+
+def detail_rows(runs: list[dict]) -> list[list[str]]:
+    """Mean, p50, p90, p99 of every latency metric (BENCHMARKS.md), one row per run and metric."""
+    rows = []
+    for r in _ok(runs):
+        for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
+            d = r["serving"][key]
+            rows.append([r["scenario"], r["backend"], name] + [_f(d[k], 2) for k in ("mean", "p50", "p90", "p99")]
+                        + [str(d["n"])])
+    return rows
+
+
 def _latency_series(raw: dict) -> dict[str, list[float]]:
     ttft, tpot, itl, e2e = [], [], [], []
     for q in raw["requests"]:
@@ -162,7 +176,7 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
           f"Commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, torch {env['torch']}, "
           f"triton {env['triton']}, CUDA {env['torch_cuda']}, GPUs {env['gpus'] or 'none'}, CPU {env['cpu']}.", "",
           desc + ".", ""]
-    for title, cols, rows in tables:
+    for title, cols, rows in tables + [("Latency detail", DETAIL_COLUMNS, detail_rows(runs))]:
         if rows:
             md += [f"## {title}", "", report.markdown_table(cols, rows), ""]
     if failed:

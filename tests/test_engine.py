@@ -389,10 +389,14 @@ def test_chat_template_and_offline_llm(tiny, backend):
                       add_special_tokens=False)
     assert outs[0].prompt_token_ids == want
     assert outs[0].outputs[0].token_ids == hf_greedy(tiny["hf"], want, 6)
-    outs = llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}], SP(temperature=0, max_tokens=3),
-                        use_tqdm=False)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}],
+                        sampling_params=SP(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [o.prompt for o in outs] == ["Hello", None]
-    assert [len(o.outputs[0].token_ids) <= 3 for o in outs] == [True, True]
+    assert outs[0].prompt_token_ids == tok.encode("Hello")
+    assert outs[1].outputs[0].token_ids == hf_greedy(tiny["hf"], [5, 6, 7], 3)
+    per_prompt = llm.generate(["a", "b"], [SP(max_tokens=1), SP(max_tokens=2, ignore_eos=True)],
+                              use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in per_prompt][1] == 2
     with pytest.raises(ValueError):
         llm.chat([{"role": "user"}])
     with pytest.raises(ValueError):

@@ -103,6 +103,9 @@ def _load_engine(config: EngineConfig, console):
         what = f"random {config.random_weights} weights"
     else:
         what = config.model or "the default model"
+    if not console.is_terminal:                  # no live display into a pipe or file
+        console.print(f"Loading {what} ({config.cache.backend} KV backend) ...")
+        return LLMEngine(config)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                   console=console, transient=True) as prog:

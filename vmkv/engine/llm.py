@@ -49,7 +49,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate completions for one or more prompts, returned in prompt order.
 
         Args:
@@ -58,6 +59,7 @@ class LLM:
             params: one :class:`SamplingParams` for all, a list with one per prompt, or ``None``
                 for the defaults.
             use_tqdm: show a progress bar of finished requests.
+            sampling_params: vLLM's name for ``params`` (either may be given).
         Raises:
             ValueError: a malformed prompt, or a params list of the wrong length.
             PromptTooLongError: a prompt does not fit ``max_model_len``.
@@ -65,7 +67,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = self._params_list(params, len(prompts))
+        params_list = self._params_list(params if params is not None else sampling_params, len(prompts))
         request_ids = []
         for prompt, p in zip(prompts, params_list):
             text, token_ids = self._parse_prompt(prompt)
@@ -76,7 +78,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or a list of conversations.
 
         Each conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``
@@ -88,7 +91,7 @@ class LLM:
             raise ValueError("messages must be a non-empty list of message dicts or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c)} for c in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params if params is not None else sampling_params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

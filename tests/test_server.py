@@ -106,6 +106,7 @@ class RunningServer:
             assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.http = httpx.Client(base_url=self.base, timeout=30)  # one client: its SSL setup is slow
 
     @contextlib.contextmanager
     def slowed(self, step_delay_s: float):
@@ -124,12 +125,13 @@ class RunningServer:
             del self.engine.step
 
     def stop(self) -> None:
+        self.http.close()
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics, plus labelled ones keyed by their full text name."""
-        text = httpx.get(self.base + "/metrics").text
+        text = self.http.get("/metrics").text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -182,8 +184,8 @@ def test_models_health_and_metrics_format(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == [SERVED]
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
-    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
-    r = httpx.get(server.base + "/metrics")
+    assert server.http.get("/health").json() == {"status": "ok"}
+    r = server.http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert f'vmkv_server_info{{backend="{server.backend}",model="{SERVED}"}} 1.0' in r.text
     m = server.metrics()
@@ -235,7 +237,7 @@ def test_chat_streaming_matches_non_streamed(server):
 def test_raw_sse_wire_format(server):
     body = {"model": SERVED, "messages": CHAT, "max_tokens": 3, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body, timeout=30) as r:
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = raw.split("\n\n")
@@ -365,9 +367,9 @@ ERROR_CASES = [
 def test_error_cases(server, case):
     _, url, body, status, param, code = case
     if isinstance(body, bytes):
-        r = httpx.post(server.base + url, content=body, headers={"content-type": "application/json"})
+        r = server.http.post(url, content=body, headers={"content-type": "application/json"})
     else:
-        r = httpx.post(server.base + url, json=body)
+        r = server.http.post(url, json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -538,19 +540,19 @@ def test_engine_failure_turns_into_503_and_unhealthy(tiny_model_dir):
 
         srv.engine.step = failing_step
         body = {"messages": CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.base + CHAT_URL, json=body, timeout=30) as r:
+        with srv.http.stream("POST", CHAT_URL, json=body) as r:
             assert r.status_code == 200
             events = [e for e in r.read().decode().split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
         err = json.loads(events[-2][len("data: "):])["error"]
         assert err["type"] == "service_unavailable" and "simulated device failure" in err["message"]
-        health = httpx.get(srv.base + "/health")
+        health = srv.http.get("/health")
         assert health.status_code == 503 and "simulated device failure" in health.json()["error"]["message"]
         with pytest.raises(openai.InternalServerError) as e:
             srv.client.chat.completions.create(model=SERVED, messages=_MSG, max_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "engine_unavailable"
-        assert httpx.get(srv.base + "/v1/models").status_code == 200  # HTTP side still answers
-        assert httpx.get(srv.base + "/metrics").status_code == 200
+        assert srv.http.get("/v1/models").status_code == 200  # HTTP side still answers
+        assert srv.http.get("/metrics").status_code == 200
     finally:
         srv.stop()
 

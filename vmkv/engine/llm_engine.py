@@ -26,29 +26,11 @@ from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import Scheduler, SchedulerOutput, TimedAllocator
 from vmkv.engine.sequence import PromptTooLongError, Sequence, SequenceGroup, SequenceStatus
 from vmkv.kvcache import create_kv_cache
+from vmkv.model.loader import resolve_device, resolve_dtype
 
-__all__ = ["LLMEngine", "PromptTooLongError", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine", "PromptTooLongError"]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """``None`` -> ``cuda`` when available, else ``cpu``."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """``None``/``"auto"`` -> bf16 on CUDA, float32 on CPU."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
 
 class LLMEngine:
     """Continuous-batching engine (see the module docstring).
@@ -321,6 +303,8 @@ class LLMEngine:
                 self.scheduler.add_forked(parent, child)
 
     def _finish_group(self, group: SequenceGroup, now: float) -> None:
+        if group.metrics.finished_time is not None:
+            return
         group.metrics.finished_time = now
         self._groups.pop(group.request_id, None)
         self._num_finished_total += 1

@@ -99,7 +99,6 @@ class PagedKVCache(KVCache):
                 f"least {self.block_bytes} bytes or a smaller block_size")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.pool = BlockPool(num_blocks)
         self._kv: torch.Tensor | None = torch.zeros(
             (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
@@ -115,8 +114,7 @@ class PagedKVCache(KVCache):
     @property
     def kv_tensor(self) -> torch.Tensor:
         """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, ``spec.dtype``."""
-        if self._kv is None:
-            raise KVCacheError("the paged KV cache is closed")
+        self._check_open()
         return self._kv
 
     def key_cache(self, layer: int) -> torch.Tensor:
@@ -151,7 +149,7 @@ class PagedKVCache(KVCache):
             TooManySequencesError (``max_num_seqs`` live; a KVCacheFullError),
             KVCacheFullError (not enough free blocks; nothing changed).
         """
-        self.kv_tensor  # raises if closed
+        self._check_open()
         if seq_id in self._seqs:
             raise DuplicateSequenceError(f"sequence {seq_id} is already allocated; free it first")
         self._check_new_len(num_tokens)
@@ -330,9 +328,7 @@ class PagedKVCache(KVCache):
         self._cow_or_raise(targets)
         tables = [self._seqs[e.seq_id].block_table for e in batch]
         width = max(len(t) for t in tables)
-        bt = torch.zeros((len(batch), width), dtype=torch.int32)
-        for row, t in enumerate(tables):
-            bt[row, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         by_id = dict(zip((e.seq_id for e in batch), tables))
         meta = build_metadata(
             batch, device=self.spec.torch_device, block_tables=bt,
@@ -429,6 +425,10 @@ class PagedKVCache(KVCache):
         self.pool = BlockPool(self.num_blocks)
 
     # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._kv is None:
+            raise KVCacheError("the paged KV cache is closed; build a new one")
+
     def _get(self, seq_id: int) -> _Seq:
         try:
             return self._seqs[seq_id]

@@ -10,6 +10,7 @@ import torch
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache import (
     DuplicateSequenceError,
+    KVCacheError,
     KVCacheFullError,
     KVCacheSpec,
     StepSeq,
@@ -458,3 +459,5 @@ def test_close_is_idempotent():
     cache.close()
     cache.close()
     assert not cache.has_seq(1) and not cache.can_allocate(1)
+    with pytest.raises(KVCacheError, match="closed"):
+        cache.allocate(2, 4)

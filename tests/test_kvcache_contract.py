@@ -22,6 +22,7 @@ from kvcache_cases import (
     assert_unchanged,
     check_usage,
     gather_all,
+    one_torch_thread,
     rand_kv,
     snapshot,
     write_all_layers,
@@ -31,6 +32,12 @@ from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
 
 NUM_HEADS = 4 * SPEC.num_kv_heads  # GQA: 4 query heads per KV head
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(params=CASES, ids=CASE_IDS)
@@ -335,6 +342,39 @@ def test_fork_when_full(cache, gen):
     for s, d in data.items():
         assert_data(cache, s, d)
     check_usage(cache, {s: cache.seq_len(s) for s in data})
+
+
+def test_extend_into_shared_unit_counts_the_copy(case, gen):
+    """extend() into a shared partial unit needs a copy-on-write copy plus any new unit; the
+    error reports more needed than available, and a successful extend makes every later write
+    below seq_len possible with no free memory left."""
+    probe = case.make()
+    unit = unit_of(probe)
+    probe.close()
+    cache = case.make(capacity_tokens=4 * unit)
+    try:
+        half = unit // 2
+        cache.allocate(1, half)
+        a = write_all_layers(cache, 1, 0, half, gen)
+        cache.fork(1, 2)
+        cache.allocate(3, 2 * unit)
+        write_all_layers(cache, 3, 0, 2 * unit, gen)
+        # one unit free: the copy of the shared unit and one new unit do not fit
+        snap = snapshot(cache, [1, 2, 3])
+        with pytest.raises(KVCacheFullError) as info:
+            cache.extend(2, unit - half + 1)
+        assert 0 <= info.value.available_tokens < info.value.needed_tokens, str(info.value)
+        assert_unchanged(cache, snap)
+        # the copy alone fits
+        cache.extend(2, unit - half)
+        assert not cache.can_allocate(1)
+        mine = write_all_layers(cache, 2, 0, unit, gen)
+        assert_data(cache, 2, mine)
+        assert_data(cache, 1, a)
+        cache.check_integrity()
+        check_usage(cache, {1: half, 2: unit, 3: 2 * unit})
+    finally:
+        cache.close()
 
 
 def test_too_many_sequences(case, gen):

@@ -1,0 +1,321 @@
+"""Stateful property test of the KV-cache contract (hypothesis ``RuleBasedStateMachine``).
+
+Random interleavings of allocate / extend / write / fork / free / step run against every backend
+configuration, next to a plain-Python shadow of what each live sequence must read back.
+
+Prefix caching is checked the way a model would use it: the K/V of a prompt position ``p`` is a
+deterministic function of the prompt's tokens ``0..p`` (and the layer), as it is for a real
+decoder.  So whichever earlier sequence a prefix-cache hit came from, the hit positions must hold
+exactly that data, and a hit is only legal if some sequence wrote that token prefix before.
+Positions past the prompt, and sequences without token ids, get fresh random data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvcache_cases import (
+    CASES,
+    SPEC,
+    Case,
+    allocate_capacity,
+    check_usage,
+    one_torch_thread,
+    pool_tokens,
+)
+from vmkv import KVCacheFullError, StepSeq
+from vmkv.kernels.reference import attention_one_seq_ref
+
+NUM_HEADS = 4 * SPEC.num_kv_heads
+VOCAB = 4  # tiny vocabulary so prompts share prefixes
+
+# smaller budgets than the contract suite, so the cache is often full
+SM_LIMITS = {
+    "paged-b4": dict(max_num_seqs=5, max_model_len=32, capacity_tokens=64),
+    "paged-b16": dict(max_num_seqs=5, max_model_len=48, capacity_tokens=96),
+    "vmem-megacache": dict(max_num_seqs=5, max_model_len=48, capacity_tokens=96),
+    "vmem-per_layer": dict(max_num_seqs=4, max_model_len=128, capacity_tokens=256),
+}
+
+SM_SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None, database=None,
+                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+@dataclass
+class Shadow:
+    """What one live sequence must read back."""
+
+    seq_len: int
+    prompt: tuple | None
+    k: torch.Tensor          # [num_layers, max_model_len, H, D]
+    v: torch.Tensor
+    written: torch.Tensor    # bool [num_layers, max_model_len]
+
+    def copy(self) -> "Shadow":
+        return Shadow(self.seq_len, self.prompt, self.k.clone(), self.v.clone(), self.written.clone())
+
+    def leading_written(self) -> int:
+        """Positions ``0..c-1`` hold K/V in every layer (what ``num_computed_tokens`` may claim)."""
+        all_layers = self.written[:, :self.seq_len].all(dim=0)
+        missing = (~all_layers).nonzero()
+        return int(missing[0]) if missing.numel() else self.seq_len
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    case: Case
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = self.case.make(**SM_LIMITS[self.case.name])
+        u = self.cache.usage()
+        self.unit = u.unit_tokens
+        self.free0 = u.free_tokens
+        self.pool0 = pool_tokens(self.cache)
+        self.mml = self.cache.max_model_len
+        self.seqs: dict[int, Shadow] = {}
+        self.next_id = 0
+        self.gen = torch.Generator().manual_seed(0)
+        base_gen = torch.Generator().manual_seed(1)
+        self.bases = [tuple(torch.randint(0, VOCAB, (self.mml,), generator=base_gen).tolist())
+                      for _ in range(2)]
+        self.written_prefixes: set[tuple] = set()
+        self._det: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ data
+    def det_kv(self, prefix: tuple, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[H, D]`` of the last token of ``prefix`` in ``layer``, as a model would compute."""
+        key = (prefix, layer)
+        if key not in self._det:
+            seed = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
+            g = torch.Generator().manual_seed(seed)
+            kv = torch.randn(2, SPEC.num_kv_heads, SPEC.head_dim, generator=g) + 2.0
+            self._det[key] = (kv[0], kv[1])
+        return self._det[key]
+
+    def kv_for(self, sh: Shadow, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (n, SPEC.num_kv_heads, SPEC.head_dim)
+        k = torch.randn(shape, generator=self.gen) - 2.0
+        v = torch.randn(shape, generator=self.gen) + 1.0
+        if sh.prompt is not None:
+            for p in range(start, min(start + n, len(sh.prompt))):
+                k[p - start], v[p - start] = self.det_kv(sh.prompt[:p + 1], layer)
+        return k, v
+
+    def record(self, sh: Shadow, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[0]
+        sh.k[layer, start:start + n] = k
+        sh.v[layer, start:start + n] = v
+        sh.written[layer, start:start + n] = True
+        if sh.prompt is not None and layer == SPEC.num_layers - 1:
+            for p in range(start, min(start + n, len(sh.prompt))):
+                if bool(sh.written[:, p].all()):
+                    self.written_prefixes.add(sh.prompt[:p + 1])
+
+    def new_shadow(self, n: int, prompt) -> Shadow:
+        shape = (SPEC.num_layers, self.mml, SPEC.num_kv_heads, SPEC.head_dim)
+        return Shadow(n, prompt, torch.zeros(shape), torch.zeros(shape),
+                      torch.zeros(SPEC.num_layers, self.mml, dtype=torch.bool))
+
+    def pick(self, data, pred=lambda s: True) -> int:
+        return data.draw(st.sampled_from(sorted(s for s, sh in self.seqs.items() if pred(sh))))
+
+    def expect_unchanged(self, usage_before) -> None:
+        assert self.cache.usage() == usage_before, "a failing operation changed usage()"
+        self.check_all()
+
+    # ------------------------------------------------------------------ rules
+    def can_add(self) -> bool:
+        return len(self.seqs) < self.cache.max_num_seqs
+
+    @precondition(can_add)
+    @rule(data=st.data())
+    def allocate(self, data) -> None:
+        n = data.draw(st.one_of(st.integers(1, 8), st.integers(1, self.mml)), label="num_tokens")
+        prompt = None
+        if data.draw(st.booleans(), label="with_token_ids"):
+            b = data.draw(st.integers(0, 1), label="base")
+            d = data.draw(st.integers(0, n), label="diverge_at")
+            prompt = self.bases[b][:d] + self.bases[1 - b][d:n]
+        sid = self.next_id
+        self.next_id += 1
+        could = self.cache.can_allocate(n)
+        before = self.cache.usage()
+        try:
+            hit = self.cache.allocate(sid, n, token_ids=None if prompt is None else list(prompt))
+        except KVCacheFullError as err:
+            assert not could, f"can_allocate({n}) was True but allocate raised {err}"
+            assert prompt is not None or before.free_tokens < n
+            assert 0 <= err.available_tokens < err.needed_tokens
+            assert not self.cache.has_seq(sid)
+            self.expect_unchanged(before)
+            return
+        assert could or prompt is not None, f"can_allocate({n}) was False but allocate succeeded"
+        assert 0 <= hit < n
+        sh = self.new_shadow(n, prompt)
+        if prompt is None or self.unit == 0:
+            assert hit == 0
+        if hit:
+            assert hit % self.unit == 0, (hit, self.unit)
+            for p in range(hit):
+                assert prompt[:p + 1] in self.written_prefixes, f"hit of {hit} tokens never written"
+            for layer in range(SPEC.num_layers):
+                k, v = self.kv_for(sh, layer, 0, hit)
+                kg, vg = self.cache.gather(sid, layer)
+                assert torch.equal(kg[:hit], k) and torch.equal(vg[:hit], v), "prefix hit holds wrong K/V"
+                self.record(sh, layer, 0, k, v)
+        self.seqs[sid] = sh
+
+    @precondition(lambda self: any(sh.seq_len < self.mml for sh in self.seqs.values()))
+    @rule(data=st.data())
+    def extend(self, data) -> None:
+        sid = self.pick(data, lambda sh: sh.seq_len < self.mml)
+        sh = self.seqs[sid]
+        k = data.draw(st.integers(1, min(self.mml - sh.seq_len, 20)), label="more")
+        before = self.cache.usage()
+        try:
+            self.cache.extend(sid, k)
+        except KVCacheFullError as err:
+            assert 0 <= err.available_tokens < err.needed_tokens
+            self.expect_unchanged(before)
+            return
+        sh.seq_len += k
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def write(self, data) -> None:
+        sid = self.pick(data)
+        sh = self.seqs[sid]
+        # a prompt's K/V is written front to back, as an engine does
+        hi = min(sh.leading_written(), sh.seq_len - 1) if sh.prompt is not None else sh.seq_len - 1
+        start = data.draw(st.integers(0, hi), label="start")
+        n = data.draw(st.integers(1, sh.seq_len - start), label="n")
+        for layer in range(SPEC.num_layers):
+            k, v = self.kv_for(sh, layer, start, n)
+            before = self.cache.usage()
+            try:
+                self.cache.write(sid, layer, start, k, v)
+            except KVCacheFullError:  # a copy-on-write copy found no memory
+                self.expect_unchanged(before)
+                return
+            self.record(sh, layer, start, k, v)
+
+    @precondition(lambda self: self.seqs and self.can_add())
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent = self.pick(data)
+        child = self.next_id
+        self.next_id += 1
+        before = self.cache.usage()
+        try:
+            self.cache.fork(parent, child)
+        except KVCacheFullError:
+            assert not self.cache.has_seq(child)
+            self.expect_unchanged(before)
+            return
+        self.seqs[child] = self.seqs[parent].copy()
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        sid = self.pick(data)
+        self.cache.free(sid)
+        del self.seqs[sid]
+        assert not self.cache.has_seq(sid)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def step(self, data) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.seqs)), min_size=1, max_size=3,
+                                 unique=True), label="batch")
+        batch = []
+        for sid in ids:
+            sh = self.seqs[sid]
+            c = data.draw(st.integers(0, min(sh.leading_written(), sh.seq_len - 1)), label="computed")
+            n = data.draw(st.integers(1, sh.seq_len - c), label="new")
+            batch.append(StepSeq(sid, c, n))
+        before = self.cache.usage()
+        try:
+            meta = self.cache.prepare(batch)
+        except KVCacheFullError:
+            self.expect_unchanged(before)
+            return
+        assert meta.seq_ids == ids
+        assert meta.positions.tolist() == [p for e in batch
+                                           for p in range(e.num_computed_tokens,
+                                                          e.num_computed_tokens + e.num_new_tokens)]
+        for layer in range(SPEC.num_layers):
+            parts = [self.kv_for(self.seqs[e.seq_id], layer, e.num_computed_tokens, e.num_new_tokens)
+                     for e in batch]
+            self.cache.write_kv(layer, torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]),
+                                meta)
+            for e, (k, v) in zip(batch, parts):
+                self.record(self.seqs[e.seq_id], layer, e.num_computed_tokens, k, v)
+        # attention of layer 0 over the shadow K/V
+        q = torch.randn(meta.num_tokens, NUM_HEADS, SPEC.head_dim, generator=self.gen)
+        out = self.cache.attention(0, q, meta)
+        start = 0
+        for e in batch:
+            sh = self.seqs[e.seq_id]
+            end = e.num_computed_tokens + e.num_new_tokens
+            ref = attention_one_seq_ref(q[start:start + e.num_new_tokens], sh.k[0, :end], sh.v[0, :end],
+                                        e.num_computed_tokens, SPEC.head_dim ** -0.5)
+            torch.testing.assert_close(out[start:start + e.num_new_tokens], ref, rtol=1e-5, atol=1e-5)
+            start += e.num_new_tokens
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def check_all(self) -> None:
+        self.cache.check_integrity()
+        for sid, sh in self.seqs.items():
+            assert self.cache.seq_len(sid) == sh.seq_len
+            for layer in range(SPEC.num_layers):
+                k, v = self.cache.gather(sid, layer)
+                assert k.shape[0] == sh.seq_len
+                mask = sh.written[layer, :sh.seq_len]
+                if not torch.equal(k[mask], sh.k[layer, :sh.seq_len][mask]) or \
+                        not torch.equal(v[mask], sh.v[layer, :sh.seq_len][mask]):
+                    bad = [p for p in range(sh.seq_len) if mask[p] and not (
+                        torch.equal(k[p], sh.k[layer, p]) and torch.equal(v[p], sh.v[layer, p]))]
+                    raise AssertionError(f"seq {sid} layer {layer}: wrong K/V at positions {bad}")
+        check_usage(self.cache, {s: sh.seq_len for s, sh in self.seqs.items()}, shared=True)
+
+    def teardown(self) -> None:
+        try:
+            for sid in list(self.seqs):
+                self.cache.free(sid)
+                del self.seqs[sid]
+            u = check_usage(self.cache, {})
+            assert u.free_tokens == self.free0, (u, self.free0)
+            self.cache.check_integrity()
+            ids = allocate_capacity(self.cache, self.pool0, first_id=10_000)
+            assert not self.cache.can_allocate(1)
+            for sid in ids:
+                self.cache.free(sid)
+            self.cache.check_integrity()
+        finally:
+            self.cache.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_kvcache_state_machine(case):
+    machine = type(f"KVCacheMachine_{case.name.replace('-', '_')}", (KVCacheMachine,), {"case": case})
+    run_state_machine_as_test(machine, settings=SM_SETTINGS)

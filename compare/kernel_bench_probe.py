@@ -53,16 +53,19 @@ def placement(args, timer, dev, dtype, gen) -> list[dict]:
                 kc, vc, table = _paged(k, v, bs, shuffled, gen)
                 variants[f"paged_bs{bs}_{'shuffled' if shuffled else 'in_order'}"] = (kc, vc, {"block_tables": table})
         ref = None
+        stages_list = [int(x) for x in args.num_stages.split(",")]
         for rnd in range(args.rounds):
             for name, (kc, vc, kw) in variants.items():
-                fn = lambda: decode_attention(q, kc, vc, sl, max_seq_len=ctx, scale=args.head_dim ** -0.5,  # noqa: E731
-                                              **kw)
-                out = fn()
-                ref = out if ref is None else ref
-                assert torch.allclose(out.float(), ref.float(), atol=2e-2), name
-                t = timer(fn)
-                rows.append({"batch": batch, "context": ctx, "variant": name, "round": rnd, **t,
-                             "gbps": nbytes / (t["ms"] * 1e-3) / 1e9})
+                for st in stages_list:
+                    fn = lambda: decode_attention(q, kc, vc, sl, max_seq_len=ctx,  # noqa: E731
+                                                  scale=args.head_dim ** -0.5, num_stages=st, **kw)
+                    out = fn()
+                    ref = out if ref is None else ref
+                    assert torch.allclose(out.float(), ref.float(), atol=2e-2), name
+                    t = timer(fn)
+                    label = name if len(stages_list) == 1 else f"{name}_stages{st}"
+                    rows.append({"batch": batch, "context": ctx, "variant": label, "round": rnd, **t,
+                                 "gbps": nbytes / (t["ms"] * 1e-3) / 1e9})
         del variants, k, v
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="kernel_bench_out")
     p.add_argument("--points", default="64x4096,256x4096,128x8192,256x8192")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-stages", default="2", help="software-pipelining depths to time (comma list)")
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)

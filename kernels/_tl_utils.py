@@ -25,3 +25,35 @@ def dot_flags(dtype: torch.dtype) -> dict:
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "UPCAST": bool(dtype == torch.bfloat16 and _checks.interpreter_enabled()),
     }
+
+
+@triton.jit
+def kv_rows(table_row, offs_n, n0, mask_n, kc_s0, kc_s1, vc_s0, vc_s1,
+            BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+            SAME_STRIDES: tl.constexpr):
+    """Element offsets (int64 ``[BLOCK_N]``) of the K and V rows of tokens ``offs_n`` (a tile starting at
+    ``n0``, a multiple of ``BLOCK_N``): the only place where the two layouts differ.
+
+    paged: ``block_tables[pos // BLOCK_SIZE] * stride0 + (pos % BLOCK_SIZE) * stride1``; when a block
+    holds the whole tile (``BLOCK_SIZE >= BLOCK_N``) its id is one scalar load.
+    contiguous (slot base already applied): ``pos * stride1``.
+    """
+    if PAGED:
+        if BLOCK_SIZE >= BLOCK_N:
+            block = tl.load(table_row + n0 // BLOCK_SIZE).to(tl.int64)
+        else:
+            block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
+        k_rows = block * kc_s0 + in_block * kc_s1
+        if SAME_STRIDES:
+            v_rows = k_rows
+        else:
+            v_rows = block * vc_s0 + in_block * vc_s1
+    else:
+        pos = offs_n.to(tl.int64)
+        k_rows = pos * kc_s1
+        if SAME_STRIDES:
+            v_rows = k_rows
+        else:
+            v_rows = pos * vc_s1
+    return k_rows, v_rows

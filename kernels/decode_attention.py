@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from vmkv.kernels import _checks
-from vmkv.kernels._tl_utils import dot_flags, mma
+from vmkv.kernels._tl_utils import dot_flags, kv_rows, mma
 
 LOG2E = 1.4426950408889634
 
@@ -38,7 +38,7 @@ def _decode_split_kernel(
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SAME_STRIDES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -57,6 +57,7 @@ def _decode_split_kernel(
 
     k_base = kc_ptr + kvh.to(tl.int64) * kc_sh
     v_base = vc_ptr + kvh.to(tl.int64) * vc_sh
+    table_row = table_ptr
     if PAGED:
         table_row = table_ptr + seq * stride_table
     else:
@@ -70,15 +71,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if PAGED:
-            block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-            in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
-            k_rows = block * kc_s0 + in_block * kc_s1
-            v_rows = block * vc_s0 + in_block * vc_s1
-        else:
-            pos = offs_n.to(tl.int64)
-            k_rows = pos * kc_s1
-            v_rows = pos * vc_s1
+        k_rows, v_rows = kv_rows(table_row, offs_n, n0, mask_n, kc_s0, kc_s1, vc_s0, vc_s1,
+                                 BLOCK_N, BLOCK_SIZE, PAGED, SAME_STRIDES)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -243,7 +237,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, _checks.next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged, SPLIT=split, **dot_flags(q.dtype),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged, SPLIT=split,
+        SAME_STRIDES=key_cache.stride()[:3] == value_cache.stride()[:3], **dot_flags(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from vmkv.kernels import _checks
-from vmkv.kernels._tl_utils import dot_flags, mma
+from vmkv.kernels._tl_utils import dot_flags, kv_rows, mma
 
 LOG2E = 1.4426950408889634
 
@@ -31,17 +31,11 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, table_row, n0, qpos, seq_len,
                  offs_d, mask_d,
                  kc_s0, kc_s1, vc_s0, vc_s1,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 SAME_STRIDES: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if PAGED:
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0).to(tl.int64)
-        in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
-        k_rows = block * kc_s0 + in_block * kc_s1
-        v_rows = block * vc_s0 + in_block * vc_s1
-    else:
-        pos = offs_n.to(tl.int64)
-        k_rows = pos * kc_s1
-        v_rows = pos * vc_s1
+    k_rows, v_rows = kv_rows(table_row, offs_n, n0, offs_n < seq_len, kc_s0, kc_s1, vc_s0, vc_s1,
+                             BLOCK_N, BLOCK_SIZE, PAGED, SAME_STRIDES)
     if MASKED:
         kv_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -70,6 +64,7 @@ def _prefill_kernel(
     stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+    SAME_STRIDES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # the longest query tiles (most KV tiles under the diagonal) are launched first
@@ -111,11 +106,11 @@ def _prefill_kernel(
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table_row, n0, qpos, seq_len,
                                          qk_scale, offs_d, mask_d, kc_s0, kc_s1, vc_s0, vc_s1,
-                                         BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, UPCAST)
+                                         BLOCK_N, BLOCK_SIZE, PAGED, SAME_STRIDES, False, DOT_PRECISION, UPCAST)
         for n0 in range(full_end, hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table_row, n0, qpos, seq_len,
                                          qk_scale, offs_d, mask_d, kc_s0, kc_s1, vc_s0, vc_s1,
-                                         BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, UPCAST)
+                                         BLOCK_N, BLOCK_SIZE, PAGED, SAME_STRIDES, True, DOT_PRECISION, UPCAST)
         o = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -206,7 +201,8 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         stride_table,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, PAGED=paged, **dot_flags(q.dtype),
+        BLOCK_SIZE=block_size, PAGED=paged, SAME_STRIDES=key_cache.stride()[:3] == value_cache.stride()[:3],
+        **dot_flags(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

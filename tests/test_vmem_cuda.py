@@ -42,8 +42,8 @@ def layout(request):
 def make(layout):
     caches = []
 
-    def _make(num_units=16, max_num_seqs=4, **kw):
-        c = VMemKVCache(SPEC, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
+    def _make(num_units=16, max_num_seqs=4, max_model_len=MAX_LEN, **kw):
+        c = VMemKVCache(SPEC, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         memory_bytes=num_units * PPU[layout] * 2 * MIB, layout=layout, **kw)
         caches.append(c)
         return c
@@ -188,10 +188,11 @@ def test_cuda_step_path_matches_reference(make, layout, impl):
     c.check_integrity()
 
 
-def test_cuda_deferred_reclamation_waits_for_the_free_fence(make):
+def test_cuda_deferred_reclamation_waits_for_the_free_fence(make, layout):
     """A freed slot's pages are unmapped for another request only after the kernels queued before
     free() (here: a long GPU sleep, then a read of the slot) have completed."""
-    c = make(num_units=6)                          # megacache and per_layer alike
+    # megacache and per_layer alike; the second request needs 5 units (5120 tokens in per_layer)
+    c = make(num_units=6, max_model_len=8 * UT[layout])
     ut = c.unit_tokens
     n = 3 * ut + ut // 2                           # 3 cached units + 1 uncached unit
     prompt = list(range(n))

@@ -165,6 +165,24 @@ def _tokenizer_cache_dir(path: Path) -> Path:
     return envs.cache_dir() / "tokenizers" / f"{path.stem}-{key}"
 
 
+def _align_special_tokens(tokenizer, metadata) -> None:
+    """Make the tokenizer's BOS/EOS tokens the ones the GGUF metadata names by id.
+
+    transformers versions differ in which special token they pick when converting a GGUF vocabulary
+    (seen: 5.17 chose ``<|im_start|>`` as EOS where 5.24 chose ``<|im_end|>``); the file's ids win.
+    """
+    for kind in ("bos", "eos"):
+        key = f"tokenizer.ggml.{kind}_token_id"
+        if key not in metadata:
+            continue
+        token_id = int(metadata[key])
+        if not 0 <= token_id < len(tokenizer):
+            continue
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, f"{kind}_token") != token:
+            setattr(tokenizer, f"{kind}_token", token)
+
+
 def load_gguf_tokenizer(gf: GGUFFile):
     """The tokenizer (with chat template when the file has one) of a GGUF file, or ``None`` when the
     file carries no tokenizer metadata.  Converted once through transformers and cached (keyed by
@@ -188,6 +206,7 @@ def load_gguf_tokenizer(gf: GGUFFile):
         tokenizer = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"transformers could not build the tokenizer of {str(gf.path)!r}: {e}") from e
+    _align_special_tokens(tokenizer, gf.metadata)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
         tokenizer.save_pretrained(str(tmp))

@@ -20,7 +20,8 @@ SUBCOMMANDS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vmkv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="vmkv", description="vmkv: paged vs virtual-memory KV caches behind one serving engine.")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     # import only the module of the subcommand being run (help lists all without importing)
     wanted = next((a for a in argv if not a.startswith("-")), None)

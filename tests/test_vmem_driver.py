@@ -173,3 +173,56 @@ def test_vmem_imports_without_cuda_bindings():
     code = ("import sys; sys.modules['cuda.bindings'] = None; sys.modules['cuda.bindings.driver'] = None; "
             "import vmkv.vmem, vmkv.vmem.cache; from vmkv.vmem import HostDriver; HostDriver().close()")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_map_without_access_then_one_set_access_over_a_run(drv):
+    va = drv.reserve(6 * PAGE)
+    pages = [drv.create_page() for _ in range(4)]
+    for i, p in enumerate(pages):
+        drv.map(va + i * PAGE, p, set_access=False)
+    # mapped but inaccessible, like a CUDA mapping before cuMemSetAccess
+    assert all(_perms(va + i * PAGE) == "---s" for i in range(4))
+    assert drv.num_pending_access == 4 and not drv.has_access(va)
+    with pytest.raises(VMMError, match=r"^memmove failed: EINVAL .*without access"):
+        drv.copy_page(va, va + PAGE)
+    drv.set_access(va, 3 * PAGE)
+    assert [_perms(va + i * PAGE) for i in range(4)] == ["rw-s", "rw-s", "rw-s", "---s"]
+    assert drv.num_pending_access == 1 and drv.has_access(va + 2 * PAGE) and not drv.has_access(va + 3 * PAGE)
+    drv.set_access(va + 2 * PAGE, 2 * PAGE)          # overlapping an accessible page is fine
+    assert drv.num_pending_access == 0 and _perms(va + 3 * PAGE) == "rw-s"
+    t = drv.as_tensor(va, 4 * PAGE)
+    t.copy_(torch.arange(4 * PAGE, dtype=torch.int64).remainder(251).to(torch.uint8))
+    drv.copy_page(va + 3 * PAGE, va)
+    assert torch.equal(t[3 * PAGE:], t[:PAGE])
+    # unmapping a page that never got access clears its pending state
+    p = drv.create_page()
+    drv.map(va + 5 * PAGE, p, set_access=False)
+    drv.unmap(va + 5 * PAGE)
+    assert drv.num_pending_access == 0 and not drv.has_access(va + 5 * PAGE)
+
+
+def test_set_access_validates_the_range(drv):
+    va = drv.reserve(4 * PAGE)
+    p, q = drv.create_page(), drv.create_page()
+    drv.map(va, p, set_access=False)
+    drv.map(va + 2 * PAGE, q, set_access=False)
+    with pytest.raises(VMMError, match=r"^mprotect failed: EINVAL .*1 of 3 pages .* not mapped \(first "
+                                       + hex(va + PAGE)) as e:
+        drv.set_access(va, 3 * PAGE)                 # a hole in the middle
+    assert e.value.call == "mprotect"
+    with pytest.raises(VMMError, match="multiple of page_size_bytes"):
+        drv.set_access(va, PAGE + 8)
+    with pytest.raises(VMMError, match="multiple of page_size_bytes"):
+        drv.set_access(va, 0)
+    with pytest.raises(VMMError, match="not on a page boundary"):
+        drv.set_access(va + 8, PAGE)
+    with pytest.raises(VMMError, match="not inside a reservation"):
+        drv.set_access(va + 2 * PAGE, 4 * PAGE)
+    assert drv.num_pending_access == 2                 # every failure changed nothing
+    assert _perms(va) == "---s"
+    drv.set_access(va, PAGE)
+    drv.set_access(va + 2 * PAGE, PAGE)
+    assert drv.num_pending_access == 0
+    drv.close()
+    with pytest.raises(VMMError, match="closed"):
+        drv.set_access(va, PAGE)

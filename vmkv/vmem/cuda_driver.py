@@ -15,7 +15,9 @@ class CudaDriver(VMMDriver):
     Works in torch's primary context of ``device`` (retained with cuDevicePrimaryCtxRetain and made
     current before every call, so tensors over the reservation are usable by torch).  Pages are
     ``CU_MEM_ALLOCATION_TYPE_PINNED`` device memory of ``page_size_bytes`` (default: the minimum
-    allocation granularity, 2 MiB on Hopper); every mapping gets read/write access for the device.
+    allocation granularity, 2 MiB on Hopper); every mapping gets read/write access for the device,
+    either with its map (``map(va, h)``) or, for a run of adjacent pages mapped with
+    ``set_access=False``, in one cuMemSetAccess over the whole run (``set_access(va, nbytes)``).
     Every ``CUresult`` is checked: a failure raises ``VMMError("cuMemMap failed: CUDA_ERROR_...")``.
 
     Args:
@@ -29,7 +31,8 @@ class CudaDriver(VMMDriver):
     name = "cuda"
     calls = {"reserve": "cuMemAddressReserve", "free_reservation": "cuMemAddressFree",
              "create_page": "cuMemCreate", "release": "cuMemRelease", "map": "cuMemMap",
-             "unmap": "cuMemUnmap", "as_tensor": "as_tensor", "copy_page": "copy_page"}
+             "unmap": "cuMemUnmap", "set_access": "cuMemSetAccess", "as_tensor": "as_tensor",
+             "copy_page": "copy_page"}
     invalid_code = "CUDA_ERROR_INVALID_VALUE"
 
     def __init__(self, device: torch.device | str = "cuda", page_size_bytes: int | None = None) -> None:
@@ -105,15 +108,23 @@ class CudaDriver(VMMDriver):
         self._check("cuMemRelease", self._cu.cuMemRelease(self._handles[handle]))
         del self._handles[handle]
 
-    def _map(self, va: int, handle: int) -> None:
+    def _map(self, va: int, handle: int, set_access: bool) -> None:
         self._enter()
         cu, page = self._cu, self.page_size_bytes
         self._check("cuMemMap", cu.cuMemMap(va, page, 0, self._handles[handle], 0))
+        if not set_access:
+            return
         try:
             self._check("cuMemSetAccess", cu.cuMemSetAccess(va, page, self._access, 1))
         except VMMError:
             cu.cuMemUnmap(va, page)
             raise
+
+    def _set_access(self, va: int, nbytes: int) -> None:
+        # one call over a fully mapped range that may span many cuMemMap'ed pages (the driver API
+        # requires every byte of [va, va + nbytes) to be mapped; the base class checked that)
+        self._enter()
+        self._check("cuMemSetAccess", self._cu.cuMemSetAccess(va, nbytes, self._access, 1))
 
     def _unmap(self, va: int) -> None:
         self._enter()

@@ -5,13 +5,21 @@ section 5 "CUDA virtual memory APIs"):
 
     va = drv.reserve(nbytes)          # contiguous virtual range, no memory behind it
     h = drv.create_page()             # one physical page of ``page_size_bytes``
-    drv.map(va + i * page, h)         # back one page of the range; ``unmap`` undoes it
+    drv.map(va + i * page, h)         # back one page of the range (readable/writable); ``unmap`` undoes it
+    drv.map(va, h, set_access=False)  # map only ...
+    drv.set_access(va, n * page)      # ... then grant access to a contiguous run of mapped pages at once
     t = drv.as_tensor(va, nbytes)     # zero-copy torch view over (mapped parts of) the range
 
 * :class:`CudaDriver` (``cuda_driver.py``): CUDA VMM through cuda-python (cuMemAddressReserve, cuMemCreate, cuMemMap,
   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree); page = allocation granularity (2 MiB).
 * :class:`HostDriver` (``host_driver.py``): the same mechanism on Linux through libc: a ``PROT_NONE`` reservation, a
   ``memfd`` file as the physical pool and ``mmap(MAP_SHARED|MAP_FIXED)`` of file pages into it.
+
+Access is a separate step on CUDA: a page mapped by cuMemMap is inaccessible until cuMemSetAccess, and
+one cuMemSetAccess over a contiguous run of mapped pages costs about as much as one over a single
+page (H200: ~30 us for 1 page, ~48 us for 256), so callers that map several adjacent pages pass
+``set_access=False`` and call :meth:`VMMDriver.set_access` once per run.  The host driver mirrors
+this: such a page is mapped ``PROT_NONE`` until ``set_access`` (``mprotect``) makes it read/write.
 
 Both drivers validate their arguments the same way (page-aligned addresses inside a reservation, no
 double map, no release of a mapped page) and raise :class:`VMMError` naming the failing call.
@@ -83,6 +91,7 @@ class VMMDriver(abc.ABC):
         self._tensors: dict[int, torch.Tensor] = {}    # reservation va -> uint8 tensor over it
         self._mappings: dict[int, int] = {}            # va -> page handle
         self._page_map_count: dict[int, int] = {}      # live page handle -> number of mappings
+        self._no_access: set[int] = set()              # mapped va whose access is not set yet
         self._closed = False
 
     # ------------------------------------------------------------------ driver hooks
@@ -99,7 +108,12 @@ class VMMDriver(abc.ABC):
     def _release(self, handle: int) -> None: ...
 
     @abc.abstractmethod
-    def _map(self, va: int, handle: int) -> None: ...
+    def _map(self, va: int, handle: int, set_access: bool) -> None:
+        """Map one page; grant read/write access to it too when ``set_access``."""
+
+    @abc.abstractmethod
+    def _set_access(self, va: int, nbytes: int) -> None:
+        """Grant read/write access to ``[va, va + nbytes)`` (all mapped, one reservation) in one call."""
 
     @abc.abstractmethod
     def _unmap(self, va: int) -> None: ...
@@ -171,8 +185,16 @@ class VMMDriver(abc.ABC):
                 return start
         raise self._invalid(op, f"[{va:#x}, {va + nbytes:#x}) is not inside a reservation")
 
-    def map(self, va: int, handle: int) -> None:
-        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``."""
+    def map(self, va: int, handle: int, *, set_access: bool = True) -> None:
+        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``.
+
+        Args:
+            set_access: also make the page readable/writable (default).  ``False`` leaves it
+                inaccessible until :meth:`set_access` covers it (batch several adjacent pages into
+                one access call); touching it before is a fault.
+        Raises:
+            VMMError: bad address or handle, or the map (or access) call failed; nothing is mapped then.
+        """
         self._check_open("map")
         start = self._reservation_of("map", va, self.page_size_bytes)
         if (va - start) % self.page_size_bytes:
@@ -182,9 +204,49 @@ class VMMDriver(abc.ABC):
             raise self._invalid("map", f"va={va:#x} is already mapped; unmap it first")
         if handle not in self._page_map_count:
             raise self._invalid("map", f"unknown or released page handle {handle}")
-        self._map(va, handle)
+        self._map(va, handle, bool(set_access))
         self._mappings[va] = handle
         self._page_map_count[handle] += 1
+        if not set_access:
+            self._no_access.add(va)
+
+    def set_access(self, va: int, nbytes: int) -> None:
+        """Make ``[va, va + nbytes)`` readable/writable by the device in one call (cuMemSetAccess /
+        mprotect).  The range must lie in one reservation, start on a page boundary, span whole
+        pages and be fully mapped; pages that already have access may be part of it.
+
+        Raises:
+            VMMError: a bad or not fully mapped range (``EINVAL`` / ``CUDA_ERROR_INVALID_VALUE``,
+                the message names the first unmapped page), or the call failed; access is unchanged
+                then and the caller decides whether to unmap.
+        """
+        self._check_open("set_access")
+        page = self.page_size_bytes
+        nbytes = int(nbytes)
+        if nbytes <= 0 or nbytes % page:
+            raise self._invalid("set_access", f"nbytes={nbytes} must be a positive multiple of "
+                                              f"page_size_bytes={page}")
+        start = self._reservation_of("set_access", va, nbytes)
+        if (va - start) % page:
+            raise self._invalid("set_access", f"va={va:#x} is not on a page boundary of its reservation "
+                                              f"({start:#x} + k * {page})")
+        missing = [a for a in range(va, va + nbytes, page) if a not in self._mappings]
+        if missing:
+            raise self._invalid("set_access", f"{len(missing)} of {nbytes // page} pages of "
+                                              f"[{va:#x}, {va + nbytes:#x}) are not mapped (first "
+                                              f"{missing[0]:#x}); map them first")
+        self._set_access(va, nbytes)
+        if self._no_access:
+            self._no_access.difference_update(range(va, va + nbytes, page))
+
+    def has_access(self, va: int) -> bool:
+        """Whether the page mapped at ``va`` is accessible (False for an unmapped ``va``)."""
+        return va in self._mappings and va not in self._no_access
+
+    @property
+    def num_pending_access(self) -> int:
+        """Mapped pages still waiting for :meth:`set_access`."""
+        return len(self._no_access)
 
     def unmap(self, va: int) -> None:
         """Remove the page mapped at ``va``; the range stays reserved (and inaccessible)."""
@@ -194,6 +256,7 @@ class VMMDriver(abc.ABC):
             raise self._invalid("unmap", f"nothing is mapped at va={va:#x}")
         self._unmap(va)
         del self._mappings[va]
+        self._no_access.discard(va)
         self._page_map_count[handle] -= 1
 
     def as_tensor(self, va: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -214,11 +277,16 @@ class VMMDriver(abc.ABC):
 
     def copy_page(self, dst_va: int, src_va: int) -> None:
         """Copy one page's bytes from ``src_va`` to ``dst_va`` (both mapped; stream ordered on CUDA)."""
-        for op, va in (("copy_page", dst_va), ("copy_page", src_va)):
-            if va not in self._mappings:
-                raise self._invalid(op, f"va={va:#x} is not mapped")
+        self._check_copy(dst_va, src_va)
         page = self.page_size_bytes
         self.as_tensor(dst_va, page).copy_(self.as_tensor(src_va, page))
+
+    def _check_copy(self, dst_va: int, src_va: int) -> None:
+        for va in (dst_va, src_va):
+            if va not in self._mappings:
+                raise self._invalid("copy_page", f"va={va:#x} is not mapped")
+            if va in self._no_access:
+                raise self._invalid("copy_page", f"va={va:#x} is mapped without access; call set_access")
 
     def record_fence(self) -> object:
         """A marker after all work queued so far (CUDA event); ``None`` where work is synchronous."""

@@ -45,8 +45,8 @@ class HostDriver(VMMDriver):
 
     name = "host"
     calls = {"reserve": "mmap", "free_reservation": "munmap", "create_page": "ftruncate",
-             "release": "fallocate", "map": "mmap", "unmap": "mmap", "as_tensor": "as_tensor",
-             "copy_page": "memmove"}
+             "release": "fallocate", "map": "mmap", "unmap": "mmap", "set_access": "mprotect",
+             "as_tensor": "as_tensor", "copy_page": "memmove"}
 
     def __init__(self, device: torch.device | str = "cpu", page_size_bytes: int | None = None) -> None:
         device = torch.device(device)
@@ -62,6 +62,7 @@ class HostDriver(VMMDriver):
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                               ctypes.c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.memfd_create.argtypes = [ctypes.c_char_p, ctypes.c_uint]
         libc.ftruncate.argtypes = [ctypes.c_int, ctypes.c_long]
         libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -106,11 +107,17 @@ class HostDriver(VMMDriver):
             raise self._fail("fallocate", f"punch hole at offset {handle}")
         self._free_offsets.append(handle)
 
-    def _map(self, va: int, handle: int) -> None:
-        ret = self._mmap(va, self.page_size_bytes, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED,
+    def _map(self, va: int, handle: int, set_access: bool) -> None:
+        # without set_access the page is mapped PROT_NONE, like a CUDA mapping before cuMemSetAccess
+        prot = _PROT_READ | _PROT_WRITE if set_access else _PROT_NONE
+        ret = self._mmap(va, self.page_size_bytes, prot, _MAP_SHARED | _MAP_FIXED,
                          self._fd, handle, f"map page at offset {handle} to {va:#x}")
         if ret != va:  # MAP_FIXED never moves; a different address means the kernel ignored it
             raise VMMError("mmap", "EFAULT", f"MAP_FIXED returned {ret:#x}, wanted {va:#x}")
+
+    def _set_access(self, va: int, nbytes: int) -> None:
+        if self._libc.mprotect(va, nbytes, _PROT_READ | _PROT_WRITE) != 0:
+            raise self._fail("mprotect", f"{va:#x}+{nbytes} PROT_READ|PROT_WRITE")
 
     def _unmap(self, va: int) -> None:
         self._mmap(va, self.page_size_bytes, _PROT_NONE,
@@ -122,9 +129,7 @@ class HostDriver(VMMDriver):
         return torch.frombuffer(buf, dtype=torch.uint8)
 
     def copy_page(self, dst_va: int, src_va: int) -> None:
-        for va in (dst_va, src_va):
-            if va not in self._mappings:
-                raise self._invalid("copy_page", f"va={va:#x} is not mapped")
+        self._check_copy(dst_va, src_va)
         ctypes.memmove(dst_va, src_va, self.page_size_bytes)
 
     @property

@@ -321,6 +321,17 @@ class KVCache(abc.ABC):
     def seq_len(self, seq_id: int) -> int:
         """Positions backed for ``seq_id``."""
 
+    def prefetch(self, seq_ids: Sequence[int], num_tokens: int) -> None:
+        """Hint: positions up to ``seq_len + num_tokens`` of these sequences will be needed soon;
+        a backend may back them now (best effort, never raises KVCacheFullError, never changes
+        ``seq_len``).  Called by the engine after a step's GPU work is enqueued, so host-side work
+        overlaps the GPU.  The default does nothing.
+
+        Args:
+            seq_ids: live sequences (unknown ids are ignored).
+            num_tokens: look-ahead in positions, >= 0.
+        """
+
     def has_seq(self, seq_id: int) -> bool:
         try:
             self.seq_len(seq_id)

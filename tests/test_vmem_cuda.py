@@ -247,3 +247,63 @@ def test_cuda_close_releases_everything(driver):
     c.close()
     assert (driver.num_mappings, driver.num_pages, driver.num_reservations) == (0, 0, 0)
     torch.cuda.synchronize()                       # no sticky error was left behind
+
+
+def test_cuda_set_access_once_over_a_multi_page_range(driver):
+    """Pages mapped without access, then one cuMemSetAccess over the run: a kernel spanning all of
+    them reads and writes correctly.  Nothing touches the pages before access is set."""
+    page = driver.page_size_bytes
+    va = driver.reserve(8 * page)
+    handles = [driver.create_page() for _ in range(6)]
+    for i, h in enumerate(handles):
+        driver.map(va + i * page, h, set_access=False)
+    assert driver.num_pending_access == 6 and not driver.has_access(va)
+    with pytest.raises(VMMError, match=r"^cuMemSetAccess failed: CUDA_ERROR_INVALID_VALUE .*not mapped"):
+        driver.set_access(va, 7 * page)              # the 7th page is not mapped: refused up front
+    with pytest.raises(VMMError, match="^copy_page failed: .*without access"):
+        driver.copy_page(va + page, va)
+    driver.set_access(va, 6 * page)                  # one call for the whole run
+    assert driver.num_pending_access == 0 and all(driver.has_access(va + i * page) for i in range(6))
+    whole = driver.as_tensor(va, 6 * page, torch.float32)
+    ref = torch.randn(whole.numel(), device="cuda")
+    whole.copy_(ref)                                 # one kernel across all six pages
+    assert torch.equal(whole, ref)
+    driver.copy_page(va + 5 * page, va)
+    assert torch.equal(driver.as_tensor(va + 5 * page, page, torch.float32),
+                       driver.as_tensor(va, page, torch.float32))
+    torch.cuda.synchronize()
+    for i, h in enumerate(handles):
+        driver.unmap(va + i * page)
+        driver.release(h)
+    driver.free_reservation(va, 8 * page)
+    assert (driver.num_pages, driver.num_mappings, driver.num_reservations) == (0, 0, 0)
+
+
+def test_cuda_batched_maps_and_prefetch(make, layout):
+    """allocate maps its units in one batch (one cuMemSetAccess per reservation); prefetch, called
+    while GPU work is queued, maps the next unit so extend makes no driver call; data round-trips."""
+    c = make(num_units=8)
+    ut, ppu, nres = c.unit_tokens, c.layout.pages_per_unit, c.layout.num_reservations
+    c.allocate(1, 4 * ut)
+    s = c.vmm_stats()
+    assert (s["num_maps"], s["num_map_batches"], s["num_set_access_calls"]) == (4 * ppu, 1, nres)
+    data = _write_all(c, 1, 0, 4 * ut, seed=60)
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(50_000_000)                            # queued GPU work the prefetch overlaps
+    c.prefetch([1], ut)
+    s = c.vmm_stats()
+    assert s["num_prefetched_pages"] == ppu and s["num_maps"] == 5 * ppu
+    assert s["num_set_access_calls"] == 2 * nres
+    u = c.usage()
+    assert u.allocated_bytes == 4 * ppu * 2 * MIB and u.mapped_bytes == 5 * ppu * 2 * MIB
+    c.extend(1, ut)
+    assert c.vmm_stats()["num_maps"] == 5 * ppu      # the prefetched unit: no map on extend
+    more = _write_all(c, 1, 4 * ut, ut, seed=61)
+    for layer in range(SPEC.num_layers):
+        gk, gv = c.gather(1, layer)
+        assert torch.equal(gk[:4 * ut], data[layer][0]) and torch.equal(gv[4 * ut:], more[layer][1])
+    c.allocate(2, 3 * ut)                            # the pool is now full
+    c.prefetch([1, 2], 4 * ut)                       # nothing left: no error, nothing mapped
+    assert c.vmm_stats()["num_maps"] == 8 * ppu and c.usage().free_tokens == 0
+    c.check_integrity()

@@ -103,7 +103,9 @@ class VMemKVCache(KVCache):
         enable_prefix_caching: share full pages of identical prompt prefixes (needs an integral
             number of tokens per page; otherwise disabled with a log message).
         lookahead_tokens: also map (best effort, from free pool pages) the pages of this many
-            positions past ``seq_len``, so decode steps rarely map on the critical path.
+            positions past ``seq_len``, so decode steps rarely map on the critical path.  These
+            pages are claimed (held by the sequence, not available to others); :meth:`prefetch`
+            is the engine's alternative that keeps them reclaimable.
         preallocate: create every page up front instead of on first use.
         attention_impl: ``vmkv.kernels.ops.contiguous_attention`` implementation: ``"auto"``
             (Triton on CUDA, torch reference on CPU), ``"triton"``, ``"torch"`` or ``"sdpa"``
@@ -172,6 +174,7 @@ class VMemKVCache(KVCache):
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._alloc_ns = 0
+        self._prefetch_ns = 0
         self._warn_map_count(max_pages)
         logger.info("vmem cache: %s, driver %s, %d pages max", self.layout.describe(), drv.name, max_pages)
 
@@ -338,6 +341,44 @@ class VMemKVCache(KVCache):
         self.mapper.vacate(seq.slot)
         del self._seqs[seq_id]
         self._alloc_ns += time.perf_counter_ns() - t0
+
+    def prefetch(self, seq_ids: Sequence[int], num_tokens: int) -> None:
+        """Map ahead, off the critical path: back positions up to ``seq_len + num_tokens`` of each
+        live sequence in ``seq_ids`` now (unknown ids are skipped), so the ``extend`` calls that
+        reach them find their pages mapped and make no driver call (vAttention, Prabhu et al.,
+        ASPLOS'25, section 6.1: overlap memory allocation with compute).
+
+        Best effort: only free pool pages are used (no reclaiming, no fence wait), units holding
+        a shared page are left alone, ``seq_len`` does not change.  The pages are not claimed: they
+        stay reclaimable, so they count in ``usage().free_tokens`` and ``can_allocate`` and an
+        admission that needs them unmaps them; ``usage().mapped_bytes`` includes them,
+        ``allocated_bytes`` does not until ``extend`` reaches them.  Each sequence's pages are
+        mapped in one batch (one ``set_access`` per run of adjacent pages).
+
+        Args:
+            seq_ids: sequence ids.
+            num_tokens: look-ahead in positions, an int >= 0 (0 does nothing).
+        Raises:
+            ValueError: ``num_tokens`` is not an int >= 0.  VMMError: a driver call failed (the
+            batch is undone; the cache stays consistent).  Never KVCacheFullError.
+        """
+        self._check_open()
+        if isinstance(num_tokens, bool) or int(num_tokens) != num_tokens or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if not num_tokens:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            for seq_id in seq_ids:
+                if self.mapper.pool.num_available == 0:
+                    break
+                seq = self._seqs.get(seq_id)
+                if seq is None:
+                    continue
+                target = min(self.max_model_len, seq.seq_len + int(num_tokens))
+                self.mapper.prefetch(seq.slot, self.layout.num_units(target))
+        finally:
+            self._prefetch_ns += time.perf_counter_ns() - t0
 
     def can_allocate(self, num_tokens: int) -> bool:
         if self._closed or isinstance(num_tokens, bool) or int(num_tokens) != num_tokens:
@@ -506,11 +547,17 @@ class VMemKVCache(KVCache):
 
     def vmm_stats(self) -> dict:
         """Map/unmap counts and latency (us, p50/p99), reclamation, copy-on-write and the total time
-        spent in allocation (allocate/extend/fork/free and prepare's copy-on-write), for benchmarks."""
+        spent in allocation (allocate/extend/fork/free and prepare's copy-on-write), for benchmarks.
+
+        ``map_us_*`` are per page (a batch's wall time / its pages); ``map_batch_us_*``,
+        ``pages_per_batch_*``, ``num_map_batches`` and ``num_set_access_calls`` describe the batches.
+        ``prefetch_time_us`` / ``num_prefetched_pages``: time and pages of :meth:`prefetch` (not in
+        ``alloc_time_us``)."""
         self._check_open()
         stats = self.mapper.stats()
         stats.update({
             "alloc_time_us": self._alloc_ns / 1e3,
+            "prefetch_time_us": self._prefetch_ns / 1e3,
             "page_size_bytes": self.layout.page_size_bytes,
             "pages_per_unit": self.layout.pages_per_unit,
             "num_prefix_entries": len(self.prefix),
@@ -520,8 +567,13 @@ class VMemKVCache(KVCache):
         return stats
 
     def map_latency_samples_us(self) -> tuple[list[float], list[float]]:
-        """Raw ``(map_us, unmap_us)`` samples (the most recent 100k of each)."""
+        """Raw ``(map_us, unmap_us)`` samples (the most recent 100k of each); a map sample is per
+        page: its batch's wall time / the batch's pages."""
         return list(self.mapper.map_us), list(self.mapper.unmap_us)
+
+    def map_batch_samples(self) -> tuple[list[float], list[int]]:
+        """Raw ``(batch wall time us, pages in the batch)`` of the most recent 100k map batches."""
+        return list(self.mapper.map_batch_us), list(self.mapper.pages_per_batch)
 
     def check_integrity(self) -> None:
         self._check_open()

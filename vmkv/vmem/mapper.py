@@ -10,6 +10,11 @@ mappings is claimed; reclaiming unmaps all its mappings (after the fence each sl
 free time has completed: unmapping memory a kernel still reads is fatal on CUDA) and returns it to
 the pool.  Reclamation takes pages without a prefix-cache entry first, then least recently used.
 
+Pages are mapped in **batches**: every operation that maps several pages of a slot at once (occupy,
+grow, share, look-ahead, prefetch) maps them without access and then grants access with one
+``set_access`` per maximal run of adjacent pages (same reservation, consecutive units), because on
+CUDA one cuMemSetAccess over a run costs about what one over a single page costs.
+
 Every public operation that needs pages comes with a ``plan_*`` method that counts the pages it will
 take and the pages it may use, without changing anything, so the cache can refuse with
 ``KVCacheFullError`` and leave all state unchanged.  Operations claim what they keep before they
@@ -97,10 +102,14 @@ class SlotMapper:
         self._last_use: dict[int, int] = {}          # page -> tick it was last unclaimed or mapped
         self._reclaimable: set[int] = set()
         self._tick = 0
+        # per page: batch wall time / pages in the batch; per batch: wall time and page count
         self.map_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
+        self.map_batch_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
+        self.pages_per_batch: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
         self.unmap_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
         self.num_maps = self.num_unmaps = self.num_reclaimed_pages = self.num_cow_copies = 0
-        self.num_fence_waits = 0
+        self.num_fence_waits = self.num_map_batches = self.num_set_access_calls = 0
+        self.num_prefetched_pages = 0
 
     # ------------------------------------------------------------------ primitives
     def va(self, res: int, slot: int, unit: int) -> int:
@@ -116,24 +125,66 @@ class SlotMapper:
         else:
             self._reclaimable.discard(page)
 
-    def _map(self, slot: Slot, unit: int, res: int, page: int) -> None:
-        pos = self._pos.get(page)
-        assert pos is None or pos == (res, unit), f"page {page} is at {pos}, cannot map at {(res, unit)}"
-        pages = slot.units.get(unit)
-        assert pages is None or pages[res] is None, f"slot {slot.index} unit {unit} res {res} is mapped"
+    def _access_runs(self, slot: Slot, items: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """``(va, nbytes)`` of the maximal runs of adjacent pages among ``items`` (``(unit, res,
+        page)`` of ``slot``): same reservation, consecutive units."""
+        page_bytes = self.layout.page_size_bytes
+        runs: list[list[int]] = []      # [res, va, nbytes]
+        for res, va in sorted((r, self.va(r, slot.index, u)) for u, r, _ in items):
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == res and last[1] + last[2] == va:
+                last[2] += page_bytes
+            else:
+                runs.append([res, va, page_bytes])
+        return [(va, nbytes) for _, va, nbytes in runs]
+
+    def _map_batch(self, slot: Slot, items: Sequence[tuple[int, int, int]]) -> None:
+        """Map ``(unit, res, page)`` items into ``slot``: every page without access, then one
+        ``set_access`` per run of adjacent pages.  If a driver call fails, the pages mapped by this
+        batch are unmapped again and the error propagates (bookkeeping untouched: the caller still
+        owns the pages)."""
+        if not items:
+            return
+        for unit, res, page in items:
+            pos = self._pos.get(page)
+            assert pos is None or pos == (res, unit), f"page {page} is at {pos}, cannot map at {(res, unit)}"
+            assert slot.page(unit, res) is None, f"slot {slot.index} unit {unit} res {res} is mapped"
+        drv = self.driver
+        done: list[int] = []
         t0 = time.perf_counter_ns()
-        self.driver.map(self.va(res, slot.index, unit), page)
-        self.map_us.append((time.perf_counter_ns() - t0) / 1e3)
-        self.num_maps += 1
-        self.pool.incref(page)
-        if pages is None:
-            pages = slot.units[unit] = [None] * self.num_res
-        pages[res] = page
-        self._pos[page] = (res, unit)
-        self._where.setdefault(page, set()).add(slot.index)
-        self._live[page] = self._live.get(page, 0) + self._is_claimed(slot, unit)
-        self._last_use[page] = self._tick
-        self._update(page)
+        try:
+            for unit, res, page in items:
+                va = self.va(res, slot.index, unit)
+                drv.map(va, page, set_access=False)
+                done.append(va)
+            for va, nbytes in self._access_runs(slot, items):
+                self.num_set_access_calls += 1
+                drv.set_access(va, nbytes)
+        except BaseException:
+            for va in reversed(done):
+                try:
+                    drv.unmap(va)
+                except Exception:  # noqa: BLE001 - keep the original error; the driver state is logged
+                    logger.exception("unmapping %#x after a failed map batch failed", va)
+            raise
+        batch_us = (time.perf_counter_ns() - t0) / 1e3
+        n = len(items)
+        self.map_batch_us.append(batch_us)
+        self.pages_per_batch.append(n)
+        self.map_us.extend([batch_us / n] * n)
+        self.num_maps += n
+        self.num_map_batches += 1
+        for unit, res, page in items:
+            self.pool.incref(page)
+            pages = slot.units.get(unit)
+            if pages is None:
+                pages = slot.units[unit] = [None] * self.num_res
+            pages[res] = page
+            self._pos[page] = (res, unit)
+            self._where.setdefault(page, set()).add(slot.index)
+            self._live[page] = self._live.get(page, 0) + self._is_claimed(slot, unit)
+            self._last_use[page] = self._tick
+            self._update(page)
 
     def _unmap(self, slot: Slot, unit: int, res: int) -> int:
         pages = slot.units[unit]
@@ -197,10 +248,10 @@ class SlotMapper:
         """Pages an operation could obtain: pool pages + reclaimable kept pages."""
         return self.pool.num_available + len(self._reclaimable)
 
-    def reclaim(self, num_pages: int) -> int:
-        """Unmap reclaimable pages (unhashed first, then least recently used) until ``num_pages``
-        returned to the pool.  Returns the number returned."""
-        order = sorted(self._reclaimable,
+    def reclaim(self, num_pages: int, exclude: frozenset = frozenset()) -> int:
+        """Unmap reclaimable pages (unhashed first, then least recently used; never those in
+        ``exclude``) until ``num_pages`` returned to the pool.  Returns the number returned."""
+        order = sorted(self._reclaimable - exclude,
                        key=lambda p: (self.prefix.is_hashed(p), self._last_use[p], p))
         freed = 0
         for page in order:
@@ -217,25 +268,42 @@ class SlotMapper:
             logger.debug("reclaimed %d kept pages", freed)
         return freed
 
-    def _ensure_pool(self, num_pages: int) -> None:
+    def _ensure_pool(self, num_pages: int, exclude: frozenset = frozenset()) -> None:
         short = num_pages - self.pool.num_available
         if short > 0:
-            self.reclaim(short)
+            self.reclaim(short, exclude)
         if self.pool.num_available < num_pages:
             raise PagePoolExhaustedError(
                 f"needed {num_pages} pages, {self.pool.num_available} available after reclaiming "
                 f"(plan/execute mismatch)")
 
-    def _fill_holes(self, slot: Slot, units: Iterable[int]) -> None:
-        holes = [(u, r) for u in units for r in range(self.num_res) if slot.page(u, r) is None]
-        self._ensure_pool(len(holes))
-        for u, r in holes:
-            page = self.pool.acquire()
-            try:
-                self._map(slot, u, r, page)
-            except BaseException:
-                self.pool.give_back(page)
-                raise
+    def _fill_holes(self, slot: Slot, units: Iterable[int], given=None) -> int:
+        """Map every hole of ``units`` of ``slot`` in one batch: ``given(unit, res)`` (a prefix-hit or
+        parent page) where it returns a page, else a fresh pool page (reclaiming kept pages, never a
+        given one, if the pool is short).  Returns the number of pages mapped."""
+        items: list[tuple[int, int, int | None]] = []
+        for u in units:
+            for r in range(self.num_res):
+                if slot.page(u, r) is None:
+                    items.append((u, r, None if given is None else given(u, r)))
+        if not items:
+            return 0
+        num_fresh = sum(1 for *_, p in items if p is None)
+        if num_fresh:
+            self._ensure_pool(num_fresh, frozenset(p for *_, p in items if p is not None))
+        acquired: list[int] = []
+        try:
+            for i, (u, r, p) in enumerate(items):
+                if p is None:
+                    p = self.pool.acquire()
+                    acquired.append(p)
+                    items[i] = (u, r, p)
+            self._map_batch(slot, items)
+        except BaseException:
+            for p in acquired:
+                self.pool.give_back(p)
+            raise
+        return len(items)
 
     # ------------------------------------------------------------------ occupy (allocate)
     def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -273,11 +341,13 @@ class SlotMapper:
                 if p is not None:
                     self.prefix.drop_page(p)
         self._set_claimed(slot, num_units)
-        for u in range(len(hits)):
-            for r in range(self.num_res):
-                if slot.page(u, r) is None:
-                    self._map(slot, u, r, hits[u][r])
-        self._fill_holes(slot, range(len(hits), num_units))
+        try:
+            # hit pages and fresh pages in one batch: adjacent units share one set_access
+            self._fill_holes(slot, range(num_units), lambda u, r: hits[u][r] if u < len(hits) else None)
+        except BaseException:
+            self._set_claimed(slot, 0)      # the slot stays free; what got mapped is kept
+            slot.seq_id = None
+            raise
 
     # ------------------------------------------------------------------ grow (extend)
     def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
@@ -310,7 +380,11 @@ class SlotMapper:
                     if p is not None:
                         self.prefix.drop_page(p)
             self._set_claimed(slot, num_units)
-            self._fill_holes(slot, range(old, num_units))
+            try:
+                self._fill_holes(slot, range(old, num_units))
+            except BaseException:
+                self._set_claimed(slot, old)
+                raise
         page_bytes = self.layout.page_size_bytes
         for u in cow_units:
             self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
@@ -348,7 +422,7 @@ class SlotMapper:
             self._wait_slot(slot)
         self._unmap(slot, unit, res)
         try:
-            self._map(slot, unit, res, new)
+            self._map_batch(slot, [(unit, res, new)])
         except BaseException:
             self.pool.give_back(new)
             raise
@@ -371,10 +445,12 @@ class SlotMapper:
                     self._wait_slot(child)
                     self._unmap(child, u, r)
         self._set_claimed(child, num_units)
-        for u in range(num_units):
-            for r in range(self.num_res):
-                if child.page(u, r) is None:
-                    self._map(child, u, r, parent.page(u, r))
+        try:
+            self._fill_holes(child, range(num_units), parent.page)
+        except BaseException:
+            self._set_claimed(child, 0)
+            child.seq_id = None
+            raise
 
     def vacate(self, slot: Slot) -> None:
         """Free a live slot; its pages stay mapped (kept) behind a fence recorded now."""
@@ -385,20 +461,61 @@ class SlotMapper:
         slot.free_tick = self._tick
 
     def map_ahead(self, slot: Slot, num_units: int) -> None:
-        """Best effort: claim units up to ``num_units`` from kept pages or the pool (no reclaiming)."""
-        for u in range(slot.claimed, num_units):
-            need = [r for r in range(self.num_res) if self._needs_fresh(slot.page(u, r))]
-            if len(need) > self.pool.num_available:
+        """Best effort: claim units up to ``num_units`` from kept pages or the pool (no reclaiming);
+        the holes of all those units are mapped in one batch."""
+        old = slot.claimed
+        budget = self.pool.num_available
+        end = old
+        for u in range(old, min(num_units, self.layout.pages_per_slot)):
+            need = sum(1 for r in range(self.num_res) if self._needs_fresh(slot.page(u, r)))
+            if need > budget:
                 break
-            for r in need:
-                if slot.page(u, r) is not None:
+            budget -= need
+            end = u + 1
+        if end == old:
+            return
+        for u in range(old, end):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if cur is not None and self.pool.refcount(cur) > 1:
                     self._wait_slot(slot)
                     self._unmap(slot, u, r)
             for p in slot.units.get(u, ()):
                 if p is not None:
                     self.prefix.drop_page(p)
-            self._set_claimed(slot, u + 1)
-            self._fill_holes(slot, [u])
+        self._set_claimed(slot, end)
+        try:
+            self._fill_holes(slot, range(old, end))
+        except BaseException:
+            self._set_claimed(slot, old)
+            raise
+
+    def prefetch(self, slot: Slot, num_units: int) -> int:
+        """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of live
+        ``slot`` from free pool pages, in one batch, **without claiming them**.
+
+        The pages stay kept (reclaimable, so they count as available for admission); the grow that
+        later claims those units reuses them without a driver call.  Never reclaims, never waits
+        for a fence; stops at the first unit holding a shared page or not fitting in the pool.
+
+        Returns:
+            The number of pages mapped.
+        """
+        assert not slot.is_free, f"slot {slot.index} is free"
+        budget = self.pool.num_available
+        end = slot.claimed
+        for u in range(slot.claimed, min(num_units, self.layout.pages_per_slot)):
+            pages = slot.units.get(u, ())
+            if any(p is not None and self.pool.refcount(p) > 1 for p in pages):
+                break
+            holes = self.num_res - sum(1 for p in pages if p is not None)
+            if holes > budget:
+                break
+            budget -= holes
+            end = u + 1
+        mapped = self._fill_holes(slot, range(slot.claimed, end))
+        self.num_prefetched_pages += mapped
+        return mapped
 
     # ------------------------------------------------------------------ introspection
     def refcount(self, page: int) -> int:
@@ -413,6 +530,14 @@ class SlotMapper:
             "num_unmaps": self.num_unmaps,
             "map_us_p50": _percentile(self.map_us, 50),
             "map_us_p99": _percentile(self.map_us, 99),
+            "num_map_batches": self.num_map_batches,
+            "num_set_access_calls": self.num_set_access_calls,
+            "map_batch_us_p50": _percentile(self.map_batch_us, 50),
+            "map_batch_us_p99": _percentile(self.map_batch_us, 99),
+            "pages_per_batch_mean": (sum(self.pages_per_batch) / len(self.pages_per_batch)
+                                     if self.pages_per_batch else 0.0),
+            "pages_per_batch_max": max(self.pages_per_batch, default=0),
+            "num_prefetched_pages": self.num_prefetched_pages,
             "unmap_us_p50": _percentile(self.unmap_us, 50),
             "unmap_us_p99": _percentile(self.unmap_us, 99),
             "num_reclaimed_pages": self.num_reclaimed_pages,
@@ -456,6 +581,8 @@ class SlotMapper:
         if expected != self._reclaimable:
             raise AssertionError(f"reclaimable set has {len(self._reclaimable)} pages, expected "
                                  f"{len(expected)}")
+        if self.driver.num_pending_access:
+            raise AssertionError(f"{self.driver.num_pending_access} mapped pages have no access set")
         if sum(refs.values()) != self.driver.num_mappings:
             raise AssertionError(f"{sum(refs.values())} mappings recorded, driver has "
                                  f"{self.driver.num_mappings}")

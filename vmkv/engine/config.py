@@ -15,12 +15,14 @@ from typing import Any
 from vmkv.kvcache.registry import BACKENDS
 
 __all__ = ["CacheConfig", "SchedulerConfig", "EngineConfig", "DEFAULT_CPU_KV_MEMORY_BYTES",
-           "DEFAULT_MAX_MODEL_LEN"]
+           "DEFAULT_MAX_MODEL_LEN", "DEFAULT_CUDA_PREFETCH_TOKENS"]
 
 #: KV budget on CPU when ``memory_bytes`` is not given (a fixed, modest amount)
 DEFAULT_CPU_KV_MEMORY_BYTES = 256 * 1024 * 1024
 #: context length when ``max_model_len`` is not given: ``min(model context, this)``
 DEFAULT_MAX_MODEL_LEN = 4096
+#: ``CacheConfig.prefetch_tokens`` on CUDA when not given
+DEFAULT_CUDA_PREFETCH_TOKENS = 16
 
 _LAYOUTS = ("megacache", "per_layer")
 _DRIVERS = ("auto", "cuda", "host")
@@ -50,6 +52,9 @@ class CacheConfig:
         layout: vmem backend: ``"megacache"`` or ``"per_layer"``.
         driver: vmem backend: ``"auto"``, ``"cuda"`` or ``"host"``.
         enable_prefix_caching: share full blocks/pages of identical prompt prefixes.
+        prefetch_tokens: after enqueuing a step's forward, ask the cache to back this many
+            positions past each sampling sequence's length (``KVCache.prefetch``; the vmem backend
+            maps pages while the GPU computes); ``None``: 16 on CUDA, 0 on CPU (exact accounting).
     Raises:
         ValueError: a field is out of range (the message names field, value and range).
     """
@@ -62,6 +67,7 @@ class CacheConfig:
     layout: str = "megacache"
     driver: str = "auto"
     enable_prefix_caching: bool = True
+    prefetch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -82,6 +88,15 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"CacheConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        p = self.prefetch_tokens
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
+            raise ValueError(f"CacheConfig.prefetch_tokens must be an int >= 0 or None, got {p!r}")
+
+    def resolved_prefetch_tokens(self, device_type: str) -> int:
+        """``prefetch_tokens``, with ``None`` resolved for a ``"cuda"`` or ``"cpu"`` device."""
+        if self.prefetch_tokens is not None:
+            return self.prefetch_tokens
+        return DEFAULT_CUDA_PREFETCH_TOKENS if device_type == "cuda" else 0
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for :func:`vmkv.kvcache.create_kv_cache` of this backend."""

@@ -70,7 +70,8 @@ class LLMEngine:
         self.allocator = TimedAllocator(self.kv_cache)
         self.scheduler = Scheduler(sc, self.allocator, self.max_model_len, cc.enable_prefix_caching)
         self.sampler = Sampler(config.seed, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
+                                  prefetch_tokens=cc.resolved_prefetch_tokens(self.device.type))
         self._groups: dict[str, SequenceGroup] = {}
         self._finished_unreported: list[SequenceGroup] = []
         self._next_seq_id = 0
@@ -331,6 +332,7 @@ class LLMEngine:
             num_generation_tokens_total=self._num_generation_tokens_total,
             num_cached_tokens_total=self.scheduler.num_cached_tokens_total,
             num_finished_total=self._num_finished_total,
+            prefetch_time_s_total=self.runner.prefetch_time_s_total,
         )
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

@@ -97,6 +97,8 @@ class EngineStats:
         num_steps: steps that ran the model.
         step_time_s_total, last_step_time_s: wall time of ``step()``, seconds.
         alloc_time_s_total: seconds spent in the cache's allocate/extend/fork/free.
+        prefetch_time_s_total: seconds spent in the cache's ``prefetch`` (off the critical path:
+            it overlaps the GPU's forward; not part of ``alloc_time_s_total``).
         max_concurrent_seqs: most sequences running in one step so far.
         num_running_seqs: sequences running now (n > 1 requests count n).
         num_prefill_chunks_total: prefill passes that did not reach the end of the prompt
@@ -123,3 +125,4 @@ class EngineStats:
     num_generation_tokens_total: int = 0
     num_cached_tokens_total: int = 0
     num_finished_total: int = 0
+    prefetch_time_s_total: float = 0.0

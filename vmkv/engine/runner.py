@@ -3,7 +3,10 @@
 Per step (the plan/run split): ``meta = kv_cache.prepare([StepSeq, ...])`` once, then
 ``model.forward(input_ids, positions, kv_cache, meta)`` whose layers call
 ``kv_cache.write_kv`` + ``kv_cache.attention``; the logits of each sequence's last new token
-come back as ``float32 [num_seqs, vocab_size]``.
+come back as ``float32 [num_seqs, vocab_size]``.  While the GPU computes them (the forward is only
+enqueued until sampling copies tokens to the host), ``kv_cache.prefetch`` backs the next positions
+of the sampling sequences, so the next step's ``extend`` finds them mapped (vAttention, Prabhu et
+al., ASPLOS'25, section 6.1: overlapping allocation with compute).
 """
 
 from __future__ import annotations
@@ -28,14 +31,25 @@ class ModelRunner:
         kv_cache: the engine's cache.
         sampler: the engine's sampler.
         device: the model's device.
+        prefetch_tokens: look-ahead in positions passed to ``kv_cache.prefetch`` every step for the
+            sequences that sample (0: no prefetch).
+
+    Attributes:
+        forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
+        prefetch_time_s_total: seconds of that in ``kv_cache.prefetch``.
     """
 
-    def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 prefetch_tokens: int = 0) -> None:
+        if isinstance(prefetch_tokens, bool) or not isinstance(prefetch_tokens, int) or prefetch_tokens < 0:
+            raise ValueError(f"prefetch_tokens must be an int >= 0, got {prefetch_tokens!r}")
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = torch.device(device)
+        self.prefetch_tokens = prefetch_tokens
         self.forward_time_s_total = 0.0
+        self.prefetch_time_s_total = 0.0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[int, list[int]]:
@@ -73,6 +87,12 @@ class ModelRunner:
                 rows.append(SamplingRow(p.temperature, p.effective_top_k, p.top_p,
                                         group.generators[idx]))
                 owners.append(s.seq.seq_id)
+        if self.prefetch_tokens and owners:
+            # the forward is enqueued, the host has not synchronized yet (sampling's .tolist()):
+            # map the pages the next steps will need while the GPU runs
+            t1 = time.perf_counter()
+            self.kv_cache.prefetch(list(dict.fromkeys(owners)), self.prefetch_tokens)
+            self.prefetch_time_s_total += time.perf_counter() - t1
         result: dict[int, list[int]] = {}
         if rows:
             sel = torch.tensor(row_index, dtype=torch.int64, device=logits.device)

@@ -11,7 +11,8 @@ Sharing (section 4.4 of the paper): ``fork`` shares every block by reference cou
 write into a block with ``refcount > 1`` copies it (copy-on-write, all layers); full prompt blocks
 are registered in a prefix cache keyed by a chained hash (:mod:`vmkv.kvcache.prefix`) once their
 K/V is written, and later prompts with the same prefix reuse them.  Block bookkeeping lives in
-:class:`~vmkv.paged.block_pool.BlockPool`; this module turns it into tensors.
+:class:`~vmkv.paged.block_pool.BlockPool`; this module turns it into tensors, through the
+per-sequence numpy rows of :class:`~vmkv.paged.host_tables.HostBlockTables`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from vmkv.kernels import ops
@@ -35,9 +37,10 @@ from vmkv.kvcache.base import (
     StepSeq,
     UnknownSequenceError,
 )
-from vmkv.kvcache.metadata import build_metadata
+from vmkv.kvcache.metadata import build_metadata, step_token_positions
 from vmkv.kvcache.prefix import unit_hashes
 from vmkv.paged.block_pool import BlockPool
+from vmkv.paged.host_tables import HostBlockTables
 
 __all__ = ["PagedKVCache", "TooManySequencesError"]
 
@@ -54,15 +57,31 @@ class _Seq:
 
     block_table: list[int]
     seq_len: int
-    # per layer: positions 0..written[l]-1 hold K/V (contiguous written prefix)
-    written: list[int]
+    # row of the cache's host block-table array holding block_table (zero-padded)
+    row: int
+    # positions 0..written_all-1 hold K/V in every layer (the minimum of the per-layer marks)
+    written_all: int
+    # per-layer written marks, only while layers differ (write() layer by layer); None: every
+    # layer's mark is written_all
+    written_layers: list[int] | None = None
     # chained hashes of the prompt's full blocks (empty without token ids / prefix caching)
     block_hashes: list[int] = field(default_factory=list)
     # leading logical blocks already offered to the prefix cache
     num_registered: int = 0
 
-    def copy(self) -> "_Seq":
-        return _Seq(list(self.block_table), self.seq_len, list(self.written),
+    def written(self, layer: int) -> int:
+        """Positions ``0..written(layer)-1`` hold K/V in ``layer``."""
+        return self.written_all if self.written_layers is None else self.written_layers[layer]
+
+    def set_written(self, marks: list[int]) -> None:
+        """Store per-layer marks, collapsing them to ``written_all`` when all layers agree."""
+        low = min(marks)
+        self.written_all = low
+        self.written_layers = None if max(marks) == low else marks
+
+    def copy(self, row: int) -> "_Seq":
+        layers = None if self.written_layers is None else list(self.written_layers)
+        return _Seq(list(self.block_table), self.seq_len, row, self.written_all, layers,
                     self.block_hashes, self.num_registered)
 
 
@@ -104,6 +123,9 @@ class PagedKVCache(KVCache):
             (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype, device=spec.torch_device)
         self._seqs: dict[int, _Seq] = {}
+        # block tables mirrored in a numpy row per sequence (_Seq.row) for prepare()
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self._host_tables = HostBlockTables(max_num_seqs, self.max_blocks_per_seq)
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_cow_copies = 0
@@ -175,8 +197,8 @@ class PagedKVCache(KVCache):
             self.pool.incref(b)
         table = hits + [self.pool.allocate() for _ in range(num_new)]
         hit_tokens = len(hits) * bs
-        self._seqs[seq_id] = _Seq(table, num_tokens, [hit_tokens] * self.spec.num_layers,
-                                  hashes, len(hits))
+        row = self._host_tables.new_row(table)
+        self._seqs[seq_id] = _Seq(table, num_tokens, row, hit_tokens, None, hashes, len(hits))
         if use_prefix:
             self._prefix_query_tokens += num_tokens
             self._prefix_hit_tokens += hit_tokens
@@ -199,8 +221,12 @@ class PagedKVCache(KVCache):
                              f"max_model_len {self.max_model_len}")
         if num_tokens == 0:
             return
-        num_new = -(-new_len // self.block_size) - len(s.block_table)
-        cow = self._cow_plan([(seq_id, s.seq_len // self.block_size)])
+        table = s.block_table
+        num_old = len(table)
+        num_new = -(-new_len // self.block_size) - num_old
+        # copy-on-write of the block holding the next position (_cow_plan of one target)
+        i = s.seq_len // self.block_size
+        cow = [(seq_id, i)] if i < num_old and self.pool.refcount(table[i]) > 1 else []
         needed = num_new + len(cow)
         if needed > self.pool.num_free_blocks:
             # in tokens: the new positions plus whole copied blocks, against the room left in the
@@ -210,8 +236,12 @@ class PagedKVCache(KVCache):
             raise KVCacheFullError(num_tokens + len(cow) * bs, room + self.pool.num_free_blocks * bs,
                                    f"sequence {seq_id} needs {num_new} new blocks + {len(cow)} "
                                    f"copy-on-write, {self.pool.num_free_blocks} free")
-        self._apply_cow(cow)
-        s.block_table.extend(self.pool.allocate() for _ in range(num_new))
+        if cow:
+            self._apply_cow(cow)
+        if num_new > 0:
+            new = [self.pool.allocate() for _ in range(num_new)]
+            table.extend(new)
+            self._host_tables.append(s.row, num_old, new)
         s.seq_len = new_len
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -226,13 +256,14 @@ class PagedKVCache(KVCache):
         self._check_seq_slot(parent.seq_len)
         for b in parent.block_table:
             self.pool.incref(b)
-        self._seqs[child_id] = parent.copy()
+        self._seqs[child_id] = parent.copy(self._host_tables.copy_row(parent.row))
 
     def free(self, seq_id: int) -> None:
         """Release ``seq_id``: each block loses a reference, tail first (so the tail of a cached
         prompt is evicted before its head).  Raises UnknownSequenceError."""
         s = self._get(seq_id)
         del self._seqs[seq_id]
+        self._host_tables.release(s.row, len(s.block_table))
         self.pool.free(reversed(s.block_table))
 
     def can_allocate(self, num_tokens: int) -> bool:
@@ -280,8 +311,11 @@ class PagedKVCache(KVCache):
         dev = self.spec.torch_device
         ops.write_kv(self.key_cache(layer), self.value_cache(layer),
                      k.to(dev, self.spec.dtype), v.to(dev, self.spec.dtype), slots)
-        if start <= s.written[layer] < start + n:
-            s.written[layer] = start + n
+        if start <= s.written(layer) < start + n:
+            marks = (list(s.written_layers) if s.written_layers is not None
+                     else [s.written_all] * self.spec.num_layers)
+            marks[layer] = start + n
+            s.set_written(marks)
             self._register_written(s)
 
     def gather(self, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,6 +337,11 @@ class PagedKVCache(KVCache):
         ``0..num_computed_tokens + num_new_tokens - 1`` as written in every layer, registering newly
         full prompt blocks in the prefix cache.
 
+        Host cost: one Python pass over the batch (checks, copy-on-write candidates, written
+        marks: O(1) per sequence); the block tables are one fancy index of the host block-table
+        rows and the slot mapping one numpy expression, with no per-token Python call.  On CUDA
+        the block tables are pinned so their copy is asynchronous.
+
         Raises:
             UnknownSequenceError; ValueError (empty batch, repeated seq_id, no new tokens, or
             computed + new > seq_len); KVCacheFullError (copy-on-write short of blocks; nothing
@@ -312,6 +351,8 @@ class PagedKVCache(KVCache):
             raise ValueError("prepare() needs at least one scheduled sequence")
         seen: set = set()
         bs = self.block_size
+        refcount = self.pool.refcount
+        seqs = []
         targets = []
         for e in batch:
             s = self._get(e.seq_id)
@@ -324,20 +365,32 @@ class PagedKVCache(KVCache):
             if end > s.seq_len:
                 raise ValueError(f"{e} writes up to position {end}, past seq_len {s.seq_len}; "
                                  f"extend() the sequence first")
-            targets += [(e.seq_id, i) for i in range(e.num_computed_tokens // bs, (end - 1) // bs + 1)]
-        self._cow_or_raise(targets)
-        tables = [self._seqs[e.seq_id].block_table for e in batch]
-        width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        by_id = dict(zip((e.seq_id for e in batch), tables))
-        meta = build_metadata(
-            batch, device=self.spec.torch_device, block_tables=bt,
-            slot_index=lambda e, p: by_id[e.seq_id][p // bs] * bs + p % bs)
-        for e in batch:
-            s = self._seqs[e.seq_id]
+            seqs.append(s)
+            # only shared blocks can need a copy (_cow_plan's counts only go down)
+            table = s.block_table
+            targets += [(e.seq_id, i) for i in range(e.num_computed_tokens // bs, (end - 1) // bs + 1)
+                        if refcount(table[i]) > 1]
+        if targets:
+            self._cow_or_raise(targets)
+        width = max(len(s.block_table) for s in seqs)
+        bt = self._host_tables.gather((s.row for s in seqs), len(seqs), width)
+        seq_index, positions = step_token_positions(batch)
+        slots = bt[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        bt_t = torch.from_numpy(bt)
+        if self.spec.torch_device.type == "cuda":
+            bt_t = bt_t.pin_memory()  # lets build_metadata's non_blocking copy be asynchronous
+        meta = build_metadata(batch, device=self.spec.torch_device, block_tables=bt_t,
+                              slot_mapping=slots)
+        for e, s in zip(batch, seqs):
             end = e.num_computed_tokens + e.num_new_tokens
-            s.written = [max(w, end) for w in s.written]
-            self._register_written(s)
+            if s.written_layers is not None:
+                s.set_written([max(w, end) for w in s.written_layers])
+            elif end > s.written_all:
+                s.written_all = end
+            else:
+                continue
+            if s.block_hashes and s.num_registered < min(s.written_all // bs, len(s.block_hashes)):
+                self._register_written(s)
         return meta
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -413,6 +466,7 @@ class PagedKVCache(KVCache):
         bad = [b for b in refs if not 0 <= b < self.num_blocks]
         if bad:
             raise AssertionError(f"block tables reference ids {bad} outside [0, {self.num_blocks})")
+        self._host_tables.check({sid: (s.row, s.block_table) for sid, s in self._seqs.items()})
         self.pool.check_integrity(dict(refs))
         if self.pool.num_used_blocks != len(refs):
             raise AssertionError(f"pool has {self.pool.num_used_blocks} used blocks, block tables "
@@ -423,6 +477,7 @@ class PagedKVCache(KVCache):
         self._kv = None
         self._seqs.clear()
         self.pool = BlockPool(self.num_blocks)
+        self._host_tables.reset()
 
     # ------------------------------------------------------------------ internals
     def _check_open(self) -> None:
@@ -482,6 +537,7 @@ class PagedKVCache(KVCache):
             kv[:, :, new] = kv[:, :, old]
             self.pool.decref(old)
             table[i] = new
+            self._host_tables.set(self._seqs[sid].row, i, new)
             self._num_cow_copies += 1
             logger.debug("copy-on-write: sequence %s block %d: %d -> %d", sid, i, old, new)
 
@@ -489,7 +545,7 @@ class PagedKVCache(KVCache):
         """Offer newly written full prompt blocks to the prefix cache."""
         if not s.block_hashes:
             return
-        full = min(min(s.written) // self.block_size, len(s.block_hashes))
+        full = min(s.written_all // self.block_size, len(s.block_hashes))
         for i in range(s.num_registered, full):
             self.pool.register(s.block_table[i], s.block_hashes[i])
         s.num_registered = max(s.num_registered, full)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -158,7 +158,11 @@ class CacheUsage:
         mapped_bytes: physical memory held by the backend now, including free-but-kept units
             (cached free blocks, pages kept mapped by deferred reclamation).
         reserved_bytes: virtual address space reserved (vmem; equals capacity for paged).
-        free_tokens: tokens a new sequence could still get (``can_allocate`` agrees).
+        free_tokens: token positions the free KV memory can still back, pool-wide (free blocks x
+            block size; obtainable pages x tokens per page), not capped at ``max_model_len``.  While
+            fewer than ``max_num_seqs`` sequences are live, ``can_allocate(n)`` holds for
+            ``n <= min(free_tokens, max_model_len)`` (vmem: up to a page tail less when a page
+            holds a fractional number of tokens).
         prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up / found in the prefix cache.
         num_cow_copies: copy-on-write copies made so far.
         unit_tokens: tokens per allocation unit (block size, or tokens per page; 0 if fractional).
@@ -275,13 +279,16 @@ class KVCache(abc.ABC):
 
     # ------------------------------------------------------------------ lifecycle
     @abc.abstractmethod
-    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
+                 extra_key: Hashable = None) -> int:
         """Create sequence ``seq_id`` with ``num_tokens`` logical positions backed.
 
         Args:
             num_tokens: 1..max_model_len.
             token_ids: the prompt's token ids (``len == num_tokens``) to look up and later
                 register full units in the prefix cache; ``None`` disables prefix caching.
+            extra_key: salt mixed into every unit hash (e.g. a tenant or LoRA id): prefixes with
+                different keys never share KV.
         Returns:
             Leading positions whose K/V is already present (prefix-cache hit), a multiple of the
             unit size and always ``< num_tokens`` (the last prompt token is always computed).

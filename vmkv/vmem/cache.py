@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from vmkv.kernels import ops
@@ -33,7 +34,7 @@ from vmkv.kvcache.base import (
     StepSeq,
     UnknownSequenceError,
 )
-from vmkv.kvcache.metadata import build_metadata
+from vmkv.kvcache.metadata import build_metadata, step_token_positions
 from vmkv.kvcache.prefix import unit_hashes
 from vmkv.vmem.driver import DEFAULT_HOST_PAGE_BYTES, VMMDriver, get_driver
 from vmkv.vmem.host_driver import HostDriver
@@ -213,9 +214,10 @@ class VMemKVCache(KVCache):
         return [s for s in self.mapper.slots if s.is_free]
 
     def _free_tokens(self) -> int:
-        if not self._free_slots():
-            return 0
-        return self.layout.max_tokens_for_units(self.mapper.available_pages() // self.layout.pages_per_unit)
+        """Token positions the obtainable pages can back, pool-wide (not capped at max_model_len;
+        the same meaning as the paged backend's free blocks x block_size)."""
+        units = self.mapper.available_pages() // self.layout.pages_per_unit
+        return units * self.layout.page_size_bytes // self.layout.row_token_bytes
 
     def _map_ahead(self, slot: Slot, seq_len: int) -> None:
         if self.lookahead_tokens:
@@ -453,17 +455,18 @@ class VMemKVCache(KVCache):
             raise KVCacheFullError(sum(e.num_new_tokens for e in batch), 0,
                                    f"copy-on-write of {need} shared pages, "
                                    f"{self.mapper.available_pages()} obtainable")
-        base = {}
         for e, seq, units in entries:
             self.mapper.make_writable(seq.slot, units, all_res)
             end = e.num_computed_tokens + e.num_new_tokens
             seq.written = [max(w, end) if e.num_computed_tokens <= w else w for w in seq.written]
             self._register(seq)
-            base[e.seq_id] = seq.slot.index * self.max_model_len
         self._alloc_ns += time.perf_counter_ns() - t0
-        slots = torch.tensor([seq.slot.index for _, seq, _ in entries], dtype=torch.int32)
-        return build_metadata(batch, device=self.spec.torch_device,
-                              slot_index=lambda e, pos: base[e.seq_id] + pos, slot_indices=slots)
+        slot_list = [seq.slot.index for _, seq, _ in entries]
+        # flat write index into the [max_num_seqs, max_model_len, H, D] views: slot * max_model_len + pos
+        seq_index, positions = step_token_positions(batch)
+        slot_mapping = np.asarray(slot_list, dtype=np.int64)[seq_index] * self.max_model_len + positions
+        return build_metadata(batch, device=self.spec.torch_device, slot_mapping=slot_mapping,
+                              slot_indices=torch.tensor(slot_list, dtype=torch.int32))
 
     def _check_meta(self, meta: AttentionMetadata) -> None:
         if meta.slot_indices is None:

@@ -282,7 +282,7 @@ def test_cuda_set_access_once_over_a_multi_page_range(driver):
 def test_cuda_batched_maps_and_prefetch(make, layout):
     """allocate maps its units in one batch (one cuMemSetAccess per reservation); prefetch, called
     while GPU work is queued, maps the next unit so extend makes no driver call; data round-trips."""
-    c = make(num_units=8)
+    c = make(num_units=8, max_model_len=8 * UT[layout])   # room past 4 units in per_layer too
     ut, ppu, nres = c.unit_tokens, c.layout.pages_per_unit, c.layout.num_reservations
     c.allocate(1, 4 * ut)
     s = c.vmm_stats()

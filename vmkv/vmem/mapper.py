@@ -363,6 +363,26 @@ class SlotMapper:
         fresh += self.plan_writable(slot, cow_units, range(self.num_res))
         return fresh, self.available_pages() - leaving
 
+    def _claim_units(self, slot: Slot, old: int, end: int) -> None:
+        """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped
+        (after the slot's fence), kept unshared pages are reused (their prefix entries dropped, they
+        will be overwritten), holes get fresh pages in one batch; on failure the claim is undone."""
+        for u in range(old, end):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if cur is not None and self.pool.refcount(cur) > 1:
+                    self._wait_slot(slot)
+                    self._unmap(slot, u, r)
+            for p in slot.units.get(u, ()):
+                if p is not None:
+                    self.prefix.drop_page(p)
+        self._set_claimed(slot, end)
+        try:
+            self._fill_holes(slot, range(old, end))
+        except BaseException:
+            self._set_claimed(slot, old)
+            raise
+
     def grow(self, slot: Slot, num_units: int, cow_units: Iterable[int], copy_below_bytes: int) -> None:
         """Claim units up to ``num_units`` (reusing kept unshared pages), then copy-on-write the
         shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
@@ -370,21 +390,7 @@ class SlotMapper:
         old = slot.claimed
         cow_units = [u for u in cow_units if u < old]
         if num_units > old:
-            for u in range(old, num_units):
-                for r in range(self.num_res):
-                    cur = slot.page(u, r)
-                    if cur is not None and self.pool.refcount(cur) > 1:
-                        self._wait_slot(slot)
-                        self._unmap(slot, u, r)
-                for p in slot.units.get(u, ()):
-                    if p is not None:
-                        self.prefix.drop_page(p)
-            self._set_claimed(slot, num_units)
-            try:
-                self._fill_holes(slot, range(old, num_units))
-            except BaseException:
-                self._set_claimed(slot, old)
-                raise
+            self._claim_units(slot, old, num_units)
         page_bytes = self.layout.page_size_bytes
         for u in cow_units:
             self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
@@ -474,21 +480,7 @@ class SlotMapper:
             end = u + 1
         if end == old:
             return
-        for u in range(old, end):
-            for r in range(self.num_res):
-                cur = slot.page(u, r)
-                if cur is not None and self.pool.refcount(cur) > 1:
-                    self._wait_slot(slot)
-                    self._unmap(slot, u, r)
-            for p in slot.units.get(u, ()):
-                if p is not None:
-                    self.prefix.drop_page(p)
-        self._set_claimed(slot, end)
-        try:
-            self._fill_holes(slot, range(old, end))
-        except BaseException:
-            self._set_claimed(slot, old)
-            raise
+        self._claim_units(slot, old, end)
 
     def prefetch(self, slot: Slot, num_units: int) -> int:
         """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of live

@@ -404,6 +404,54 @@ def test_chat_template_and_offline_llm(tiny, backend):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_offline_api_new_user_inputs(tiny, backend, monkeypatch):
+    """Found by a new-user pass over the README's offline API."""
+    import numpy as np
+
+    from vmkv import LLM, SamplingParams as SP
+
+    opts = dict(BACKENDS[backend])
+    kv_backend = opts.pop("kv_backend")
+    # `backend=` (the name of `vmkv generate --backend` and create_kv_cache) works like kv_backend=
+    llm = LLM(tiny["path"], backend=kv_backend, device="cpu", max_model_len=64,
+              memory_bytes=512 * BYTES_PER_TOKEN, **opts)
+    assert llm.engine.kv_cache.backend == kv_backend
+    with pytest.raises(TypeError, match="once"):
+        LLM(tiny["path"], kv_backend="vmem", backend="paged")
+    p = SP(temperature=0, max_tokens=3, ignore_eos=True)
+    # a bad prompt anywhere in the list rejects the call and leaves nothing queued or holding KV
+    for bad in ("", {"prompt_token_ids": []}, {"prompt_token_ids": [10 ** 6]}, "water " * 100):
+        with pytest.raises(ValueError):
+            llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}, bad], p, use_tqdm=False)
+        assert llm.engine.num_unfinished_requests() == 0 and llm.engine.kv_cache.usage().num_seqs == 0
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], p, use_tqdm=False)
+    assert len(outs) == 1 and outs[0].outputs[0].token_ids == hf_greedy(tiny["hf"], [5, 6, 7], 3)
+    # token ids must be integers: no silent int(1.5); numpy integers are fine
+    for bad_ids in ([5, 1.5], ["a"], [True, 5]):
+        with pytest.raises(ValueError, match="integers"):
+            llm.generate({"prompt_token_ids": bad_ids}, p, use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, p, use_tqdm=False)[0].prompt_token_ids \
+        == [5, 6, 7]
+    with pytest.raises(TypeError, match="once"):
+        llm.generate("Hello", p, sampling_params=p)
+    # chat accepts OpenAI text content parts, like the server
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                   {"type": "text", "text": "world!"}]}], p, use_tqdm=False)
+    plain = llm.chat([{"role": "user", "content": "Hello\nworld!"}], p, use_tqdm=False)
+    assert parts[0].prompt_token_ids == plain[0].prompt_token_ids
+    assert parts[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="text"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    # megabytes of text are rejected from their length, without running the tokenizer
+    monkeypatch.setattr(llm.engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    with pytest.raises(PromptTooLongError, match="at least") as e:
+        llm.generate("water " * 200_000, p, use_tqdm=False)
+    assert e.value.prompt_len >= 64 and e.value.max_model_len == 64
+    with pytest.raises(PromptTooLongError, match="at least"):
+        llm.chat([{"role": "user", "content": "water " * 200_000}], p, use_tqdm=False)
+    assert llm.engine.num_unfinished_requests() == 0
+
+
 def test_cli_generate(tiny, backend, capsys):
     from vmkv.cli import main
 

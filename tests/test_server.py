@@ -355,7 +355,20 @@ ERROR_CASES = [
     ("bad_top_k", CHAT_URL, {"messages": _MSG, "top_k": -7}, 400, "top_k", "invalid_value"),
     ("empty_stop_string", COMPLETIONS_URL, {"prompt": "the", "stop": [""]}, 400, "stop", "invalid_value"),
     ("stream_options_without_stream", CHAT_URL, {"messages": _MSG, "stream_options": {"include_usage": True}},
-     400, None, "invalid_value"),
+     400, "stream_options", "invalid_value"),
+    # found by a new-user pass: whole-request checks name their field, non-text parts and mixed prompt
+    # lists say what is accepted, a non-UTF-8 body is invalid JSON, and megabytes of prompt text are
+    # rejected from their length (not tokenized on the engine thread first)
+    ("best_of_not_n", COMPLETIONS_URL, {"prompt": "the", "best_of": 3}, 400, "best_of", "invalid_value"),
+    ("image_content_part", CHAT_URL, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content",
+     "invalid_value"),
+    ("mixed_prompt_list", COMPLETIONS_URL, {"prompt": ["the", 5]}, 400, "prompt", "invalid_value"),
+    ("non_utf8_body", COMPLETIONS_URL, b"\xff\xfe{", 400, None, "invalid_json"),
+    ("megabytes_of_prompt_text", COMPLETIONS_URL, {"prompt": "water " * 200_000}, 400, "prompt",
+     "context_length_exceeded"),
+    ("megabytes_of_chat_text", CHAT_URL, {"messages": [{"role": "user", "content": "water " * 200_000}]}, 400,
+     "messages", "context_length_exceeded"),
     ("logprobs_unsupported", CHAT_URL, {"messages": _MSG, "logprobs": True}, 400, "logprobs", "invalid_value"),
     ("unknown_model_chat", CHAT_URL, {"model": "gpt-17", "messages": _MSG}, 404, "model", "model_not_found"),
     ("unknown_model_completion", COMPLETIONS_URL, {"model": "gpt-17", "prompt": "the"}, 404, "model",
@@ -376,6 +389,48 @@ def test_error_cases(server, case):
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param and err["code"] == code, err
     server.assert_alive()
+
+
+def test_error_messages_say_what_is_accepted(server):
+    r = server.http.post(COMPLETIONS_URL, json={"prompt": ["the", 5]})
+    assert "list of strings, a list of token ids" in r.json()["error"]["message"]
+    r = server.http.post(CHAT_URL, json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert "only text content parts" in r.json()["error"]["message"] and "'image_url'" in r.json()["error"]["message"]
+    r = server.http.post(COMPLETIONS_URL, json={"prompt": "water " * 200_000})
+    assert "at least" in r.json()["error"]["message"] and str(MAX_MODEL_LEN) in r.json()["error"]["message"]
+
+
+def test_form_encoded_body_is_415_naming_the_header(server):
+    """``curl -d '{...}'`` without ``-H 'Content-Type: application/json'`` sends form content."""
+    body = json.dumps({"model": SERVED, "prompt": "the", "max_tokens": 2})
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = server.http.post(COMPLETIONS_URL, content=body, headers={"content-type": ctype})
+        assert r.status_code == 415, r.text
+        err = r.json()["error"]
+        assert err["code"] == "unsupported_media_type" and ctype in err["message"]
+        assert "application/json" in err["message"]
+    r = server.http.post(COMPLETIONS_URL, content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+    server.assert_alive()
+
+
+def test_request_body_over_the_limit_is_413(server):
+    from vmkv.server.app import DEFAULT_MAX_REQUEST_BYTES
+
+    big = json.dumps({"prompt": "x" * (DEFAULT_MAX_REQUEST_BYTES + 10)}).encode()
+    r = server.http.post(COMPLETIONS_URL, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:300]
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert str(DEFAULT_MAX_REQUEST_BYTES) in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the streamed size is counted
+        for _ in range(DEFAULT_MAX_REQUEST_BYTES // (1 << 20) + 1):
+            yield b" " * (1 << 20)
+    r = server.http.post(COMPLETIONS_URL, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert server.metrics()['vmkv_http_requests_total{endpoint="/v1/completions",status="413"}'] >= 2
+    server.assert_alive()
+    server.wait_kv_idle()
 
 
 def test_errors_through_openai_client(server):
@@ -429,7 +484,13 @@ def test_client_disconnect_mid_stream_frees_kv(server):
         # leaving the block closes the connection mid-stream
     m = server.wait_kv_idle()
     assert m["vmkv_kv_used_tokens"] == 0 and m["vmkv_kv_num_seqs"] == 0
-    assert m['vmkv_requests_finished_total{finish_reason="abort"}'] == before + 1
+    # abort frees the KV at once; the aborted request is reported (and counted) by the next engine step
+    deadline = time.time() + 15
+    while (aborted := server.metrics().get('vmkv_requests_finished_total{finish_reason="abort"}', 0.0)) \
+            < before + 1:
+        assert time.time() < deadline, "the aborted stream was never counted"
+        time.sleep(0.02)
+    assert aborted == before + 1
     server.assert_alive()
 
 
@@ -590,6 +651,11 @@ def test_validation_message_names_the_field():
         {"type": "list_type", "loc": ("body", "messages", 0, "content", "list[TextContentPart]"),
          "msg": "Input should be a valid list", "input": 3}])
     assert param == "messages.0.content" and code == "invalid_type" and msg.count("messages.0.content") == 1
+    # a model-level check has no location: its message's leading field name is the param
+    assert validation_message([{"type": "value_error", "loc": ("body",), "msg": "Value error, best_of: only 1",
+                                "input": {}}])[1] == "best_of"
+    assert validation_message([{"type": "value_error", "loc": ("body",), "msg": "Value error, oops",
+                                "input": {}}])[1] is None
     assert validation_message([{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error",
                                 "ctx": {"error": "Expecting value"}}])[2] == "invalid_json"
 

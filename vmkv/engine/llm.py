@@ -26,7 +26,7 @@ class LLM:
 
     Args:
         model: HF model directory or ``.gguf`` file; ``None``: the default model.
-        kv_backend: ``"paged"`` or ``"vmem"``.
+        kv_backend: ``"paged"`` or ``"vmem"`` (``backend=`` is accepted too).
         device: ``"cpu"``/``"cuda"``; ``None``: CUDA when available.
         dtype: ``"float32"``/``"float16"``/``"bfloat16"``; ``None``: bf16 on CUDA, fp32 on CPU.
         **knobs: fields of CacheConfig / SchedulerConfig / EngineConfig (``memory_bytes``,
@@ -37,6 +37,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, kv_backend: str = "paged", device: str | None = None,
                  dtype: str | None = None, **knobs: Any) -> None:
+        if "backend" in knobs:  # the name `vmkv generate/serve --backend` and create_kv_cache use
+            backend = knobs.pop("backend")
+            if kv_backend not in ("paged", backend):
+                raise TypeError(f"give the KV backend once: kv_backend={kv_backend!r} and backend={backend!r}")
+            kv_backend = backend
         self.engine = LLMEngine.from_args(model, kv_backend, device, dtype, **knobs)
         self._ids = itertools.count()
 
@@ -61,19 +66,28 @@ class LLM:
             use_tqdm: show a progress bar of finished requests.
             sampling_params: vLLM's name for ``params`` (either may be given).
         Raises:
-            ValueError: a malformed prompt, or a params list of the wrong length.
-            PromptTooLongError: a prompt does not fit ``max_model_len``.
+            ValueError: a malformed prompt, or a params list of the wrong length; no prompt of the
+                call is run then.
+            PromptTooLongError: a prompt does not fit ``max_model_len`` (nothing is run either).
+            TypeError: both ``params`` and ``sampling_params`` given.
         """
+        if params is not None and sampling_params is not None:
+            raise TypeError("give the sampling parameters once: params or sampling_params, not both")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(params if params is not None else sampling_params, len(prompts))
-        request_ids = []
-        for prompt, p in zip(prompts, params_list):
-            text, token_ids = self._parse_prompt(prompt)
-            rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
-            request_ids.append(rid)
+        parsed = [self._parse_prompt(prompt) for prompt in prompts]
+        request_ids: list[str] = []
+        try:
+            for (text, token_ids), p in zip(parsed, params_list):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                request_ids.append(rid)
+        except BaseException:
+            for rid in request_ids:  # a bad prompt rejects the whole call: nothing stays queued
+                self.engine.abort_request(rid)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -13,6 +13,7 @@ Not thread-safe: one thread drives it (the server runs it on a background thread
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any
 
@@ -58,6 +59,7 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self._max_token_chars: int | None = None     # longest vocabulary entry, for _check_text_len
         self.model_name = str(getattr(loaded, "name", None) or config.model or config.random_weights)
         mc = self.model_config
         self.max_model_len = self._resolve_max_model_len()
@@ -182,10 +184,8 @@ class LLMEngine:
         if prompt_token_ids is None:
             if prompt is None or prompt == "":
                 raise ValueError("prompt is empty: give a non-empty prompt or prompt_token_ids")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
-            prompt_token_ids = list(self.tokenizer.encode(prompt))
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
+            prompt_token_ids = self.encode(prompt)
+        prompt_token_ids = _token_ids(prompt_token_ids)
         if not prompt_token_ids:
             raise ValueError("prompt is empty: prompt_token_ids must hold at least one token")
         vocab = self.model_config.vocab_size
@@ -345,16 +345,67 @@ class LLMEngine:
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content', got {m!r}")
+        messages = [_text_message(i, m) for i, m in enumerate(messages)]
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_name} has no chat template; send a plain prompt")
+        self._check_text_len(sum(len(m["content"]) for m in messages))
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (the tokenizer's special tokens included, e.g. BOS).
+
+        Raises:
+            ValueError: the model has no tokenizer.
+            PromptTooLongError: the text is so long that it cannot fit ``max_model_len`` tokens
+                (decided from its length before tokenizing, see :meth:`_check_text_len`).
+        """
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+        self._check_text_len(len(prompt))
+        return list(self.tokenizer.encode(prompt))
+
+    def _check_text_len(self, num_chars: int) -> None:
+        """Reject text that is certainly too long without tokenizing it (tokenizing megabytes takes
+        seconds and blocks the engine).  A token covers at most ``L`` characters, ``L`` the longest
+        vocabulary entry, so text of ``num_chars`` has at least ``num_chars / L`` tokens; a factor of 4
+        leaves room for normalizers that shrink text (Unicode composition)."""
+        if self._max_token_chars is None:
+            try:
+                self._max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab()))
+            except (AttributeError, TypeError, ValueError):
+                self._max_token_chars = 0                    # unknown vocabulary: no early check
+        if self._max_token_chars and num_chars > 4 * self._max_token_chars * self.max_model_len:
+            raise PromptTooLongError(-(-num_chars // (4 * self._max_token_chars)), self.max_model_len,
+                                     at_least=True)
 
     def close(self) -> None:
         """Release the KV cache's memory (the engine is unusable afterwards)."""
         self.kv_cache.close()
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """``ids`` as a list of ints; raises ValueError for anything but integers (no silent ``int(1.5)``)."""
+    out = []
+    for t in ids:
+        if isinstance(t, bool):
+            raise ValueError(f"prompt_token_ids must be integers, got {t!r}")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt_token_ids must be integers, got {t!r}") from None
+    return out
+
+
+def _text_message(i: int, m: Any) -> dict:
+    """A chat message with string content: OpenAI text parts ``[{"type": "text", "text": ...}]`` are
+    joined with newlines (as the server does); raises ValueError for anything else."""
+    if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list) \
+            and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                    for p in m["content"]):
+        return {**m, "content": "\n".join(p["text"] for p in m["content"])}
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content' (a string or a list "
+                         f"of {{'type': 'text', 'text': str}} parts), got {m!r}")
+    return m

@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGINT/SIGTERM "
                         "(default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=8 << 20,
+                   help="larger request bodies get HTTP 413 (default: 8MiB)")
 
     e = parser.add_argument_group("engine")
     e.add_argument("--model", default=d["model"],
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"vmkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     served = args.served_model_name or engine.model_name
-    app = build_app(AsyncEngine(engine), served, backend=args.backend)
+    app = build_app(AsyncEngine(engine), served, backend=args.backend,
+                    max_request_bytes=args.max_request_bytes)
     u = engine.kv_cache.usage()
     print(f"vmkv serve: model {served} ({engine.model_name}), backend {args.backend}, "
           f"max_model_len {engine.max_model_len}, KV capacity {u.capacity_bytes / 2**20:.1f} MiB; "

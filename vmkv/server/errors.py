@@ -27,6 +27,7 @@ _STATUS_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -91,9 +92,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
         return f"request body is not valid JSON ({detail}); send a JSON object", None, "invalid_json"
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
         return "request body is missing; send a JSON object", None, "invalid_json"
-    if first.get("type") in ("model_attributes_type", "dict_type") and len(first.get("loc", ())) <= 1:
+    if code_is_body_type(first):
         return "request body must be a JSON object", None, "invalid_type"
     seen: dict[str, str] = {}
+    first_param = _param_of(tuple(first.get("loc", ())))
     for e in errors:
         param = _param_of(tuple(e.get("loc", ())))
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -104,11 +106,18 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
         shown = "" if isinstance(got, (dict, list)) or got is None and e.get("type") == "missing" \
             else f" (got {got!r})"
         seen[key] = f"{param}: {msg}{shown}" if param else f"{msg}{shown}"
-    first_param = _param_of(tuple(first.get("loc", ())))
+    if first_param is None:  # a whole-model check whose message starts with the field it is about
+        head, colon, _ = str(first.get("msg", "")).removeprefix("Value error, ").partition(":")
+        first_param = head if colon and head.isidentifier() else None
     code = "invalid_type" if str(first.get("type", "")).endswith("_type") else "invalid_value"
     if first.get("type") == "missing":
         code = "missing_required_parameter"
     return "; ".join(seen.values()), first_param, code
+
+
+def code_is_body_type(error: dict[str, Any]) -> bool:
+    """Whether a validation error says the body as a whole is not a JSON object."""
+    return error.get("type") in ("model_attributes_type", "dict_type") and len(error.get("loc", ())) <= 1
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -117,7 +126,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param, code = validation_message(list(exc.errors()))
+        errors = list(exc.errors())
+        ctype = request.headers.get("content-type", "")
+        if errors and code_is_body_type(errors[0]) and ctype and "json" not in ctype.lower():
+            # FastAPI only parses JSON bodies sent as JSON; `curl -d` sends form content
+            return error_response(OpenAIError(
+                415, f"Content-Type must be application/json, got {ctype.split(';')[0]!r}; send the "
+                     "JSON body with the header 'Content-Type: application/json' (curl: -H)",
+                code="unsupported_media_type"))
+        message, param, code = validation_message(errors)
         return error_response(OpenAIError(400, message, param=param, code=code))
 
     @app.exception_handler(OpenAIError)
@@ -128,6 +145,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            # FastAPI's reply to a body that is not UTF-8 (or not decodable at all)
+            message, code = "request body is not valid JSON (not UTF-8 text); send a JSON object", "invalid_json"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see GET /v1/models and /docs"
         return error_response(OpenAIError(exc.status_code, message, code=code))

@@ -159,6 +159,17 @@ class CompletionRequest(SamplingRequestFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, p: Any) -> Any:
+        if isinstance(p, list) and p:
+            kinds = {"str" if isinstance(x, str) else "int" if isinstance(x, int) and not isinstance(x, bool)
+                     else "list" if isinstance(x, list) else type(x).__name__ for x in p}
+            if len(kinds) > 1 or not kinds <= {"str", "int", "list"}:
+                raise ValueError("must be a string, a list of strings, a list of token ids or a list of "
+                                 f"token-id lists; got a list of {' and '.join(sorted(kinds))}")
+        return p
+
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, p: Any) -> Any:
@@ -211,6 +222,17 @@ class ChatMessage(_StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are "
+                                     f"supported by this text-only model, got a {kind!r} part")
+        return content
 
     def text(self) -> str:
         if self.content is None:

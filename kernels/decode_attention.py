@@ -128,10 +128,17 @@ def _decode_reduce_kernel(
              mask=mask_d)
 
 
-def default_launch(head_dim: int) -> tuple[int, int, int, float]:
+def default_launch(head_dim: int, block_size: int | None = None) -> tuple[int, int, int, float]:
     """``(block_n, num_warps, num_stages, waves)`` used when not given; tuned on the H200 at batch 64 x
-    4096, GQA 4, head_dim 128, bf16 (docs/results/kernels/README.md): the same for both layouts."""
-    return (64 if _checks.head_block(head_dim) <= 128 else 32), 4, 2, 2.0
+    4096, GQA 4, head_dim 128, bf16 (docs/results/kernels/README.md).
+
+    ``block_size``: paged blocks (``None`` for contiguous slots).  When a tile spans several blocks, the
+    block-table load and the K/V load that depends on it form a chain that a 2-stage pipeline does not
+    hide at large batches (paged block 16 was 1.19x contiguous at 256 x 4096 with 2 stages, equal with
+    4: ``kernel_bench_probe.json``), so such paged launches use 4 stages."""
+    block_n = 64 if _checks.head_block(head_dim) <= 128 else 32
+    stages = 4 if block_size is not None and block_size < block_n else 2
+    return block_n, 4, stages, 2.0
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
@@ -211,7 +218,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         return out
 
     block_d = _checks.head_block(head_dim)
-    d_block_n, d_warps, d_stages, waves = default_launch(head_dim)
+    d_block_n, d_warps, d_stages, waves = default_launch(
+        head_dim, None if block_tables is None else key_cache.shape[1])
     block_n = block_n or d_block_n
     num_warps = num_warps or d_warps
     num_stages = num_stages or d_stages

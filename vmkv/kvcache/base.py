@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float64": torch.float64}
 
 
 class KVCacheError(RuntimeError):
@@ -80,7 +83,8 @@ class KVCacheSpec:
         num_layers: decoder layers holding a KV cache (> 0).
         num_kv_heads: KV heads per layer (> 0; query heads are a multiple of it, GQA).
         head_dim: elements per head (> 0).
-        dtype: element type of K and V (float32, float16, bfloat16; float64 for tests).
+        dtype: element type of K and V (float32, float16, bfloat16; float64 for tests), a torch dtype
+            or a name such as ``"bf16"``.
         device: torch device the KV lives on (``"cpu"`` or ``"cuda"``/``"cuda:N"``).
 
     Raises:
@@ -90,10 +94,15 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = torch.float32
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            if self.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"KVCacheSpec.dtype must be one of {sorted(_DTYPE_NAMES)} or a torch "
+                                 f"dtype, got {self.dtype!r}")
+            object.__setattr__(self, "dtype", _DTYPE_NAMES[self.dtype])
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -103,7 +112,14 @@ class KVCacheSpec:
                 f"KVCacheSpec.dtype must be one of {_SUPPORTED_DTYPES}, got {self.dtype!r}"
             )
         # normalise the device to a string so the spec stays hashable and comparable
-        object.__setattr__(self, "device", str(torch.device(self.device)))
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"KVCacheSpec.device must be a torch device such as 'cpu' or 'cuda:0', "
+                             f"got {self.device!r}") from e
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KVCacheSpec.device must be a cpu or cuda device, got {self.device!r}")
+        object.__setattr__(self, "device", str(device))
 
     @property
     def torch_device(self) -> torch.device:
@@ -266,12 +282,10 @@ class KVCache(abc.ABC):
 
     def __init__(self, spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int,
                  memory_bytes: int) -> None:
-        if max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be > 0, got {max_num_seqs}")
-        if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
-        if memory_bytes <= 0:
-            raise ValueError(f"memory_bytes must be > 0, got {memory_bytes}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("memory_bytes", memory_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.spec = spec
         self.max_num_seqs = int(max_num_seqs)
         self.max_model_len = int(max_model_len)
@@ -411,6 +425,12 @@ class KVCache(abc.ABC):
     # ------------------------------------------------------------------ shared helpers
     def _check_kv(self, name: str, t: torch.Tensor, num_tokens: int | None = None) -> None:
         s = self.spec
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [num_tokens, {s.num_kv_heads}, "
+                            f"{s.head_dim}], got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor (the cache holds {s.dtype}), "
+                             f"got {t.dtype}")
         if t.dim() != 3 or t.shape[1] != s.num_kv_heads or t.shape[2] != s.head_dim:
             raise ValueError(
                 f"{name} must be [num_tokens, {s.num_kv_heads}, {s.head_dim}], got {tuple(t.shape)}"

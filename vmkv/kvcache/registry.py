@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from vmkv.kvcache.base import KVCache, KVCacheSpec
 
@@ -37,5 +38,12 @@ def create_kv_cache(backend: str, spec: KVCacheSpec, *, max_num_seqs: int, max_m
         raise ValueError(f"unknown KV backend {backend!r}; choose one of {list(_BACKENDS)}") from None
     module_name, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
+    params = inspect.signature(cls.__init__).parameters
+    known = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY
+             and n not in ("max_num_seqs", "max_model_len", "memory_bytes")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for the {backend!r} KV backend; "
+                         f"its options are {known}")
     return cls(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                memory_bytes=memory_bytes, **options)

@@ -153,7 +153,7 @@ class VMemKVCache(KVCache):
             if max_pages < self.layout.pages_per_unit:
                 raise ValueError(
                     f"memory_bytes={self.memory_bytes} holds {max_pages} pages of {page} B; the "
-                    f"{layout} layout maps {self.layout.pages_per_unit} pages per token range; raise "
+                    f"{layout} layout maps {self.layout.pages_per_unit} page(s) per token range; raise "
                     f"memory_bytes to >= {self.layout.bytes_per_unit} or lower page_size_bytes")
             self.pool = PagePool(drv, max_pages, preallocate)
             self.prefix = PrefixIndex()
@@ -399,9 +399,6 @@ class VMemKVCache(KVCache):
         self._check_layer(layer)
         self._check_kv("k", k)
         self._check_kv("v", v, k.shape[0])
-        for name, t in (("k", k), ("v", v)):
-            if not t.is_floating_point():
-                raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
         n = int(k.shape[0])
         if int(start) != start or start < 0 or start + n > seq.seq_len:
             raise ValueError(f"write of {n} tokens at start={start} must fit in seq_len {seq.seq_len} "

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from vmkv.engine.cli import add_arguments, parse_size
+from vmkv.engine.args import parse_size
+from vmkv.engine.cli import add_arguments
 from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 

@@ -660,16 +660,17 @@ def test_validation_message_names_the_field():
                                 "ctx": {"error": "Expecting value"}}])[2] == "invalid_json"
 
 
-def test_parse_bytes_and_cli_defaults_from_config():
+def test_parse_size_and_cli_defaults_from_config():
     import argparse
 
+    from vmkv.engine.args import engine_kwargs, parse_size
     from vmkv.engine.config import CacheConfig, SchedulerConfig
-    from vmkv.server.cli import add_arguments, engine_kwargs, parse_bytes
+    from vmkv.server.cli import add_arguments
 
-    assert parse_bytes("4096") == 4096 and parse_bytes("2MiB") == 2 << 20 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096 and parse_size("2MiB") == 2 << 20 and parse_size("1.5GB") == 1_500_000_000
     for bad in ("", "12 parsecs", "0", "-3"):
         with pytest.raises(argparse.ArgumentTypeError):
-            parse_bytes(bad)
+            parse_size(bad)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([])
@@ -678,7 +679,7 @@ def test_parse_bytes_and_cli_defaults_from_config():
     assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
     assert args.block_size == CacheConfig().block_size and args.layout == CacheConfig().layout
     kw = engine_kwargs(parser.parse_args(["--backend", "vmem", "--memory-bytes", "64MiB", "--page-size-bytes",
-                                          "128KiB", "--no-prefix-caching"]))
+                                          "128KiB", "--no-enable-prefix-caching"]))
     assert kw["kv_backend"] == "vmem" and kw["memory_bytes"] == 64 << 20 and kw["page_size_bytes"] == 128 << 10
     assert kw["enable_prefix_caching"] is False
     with pytest.raises(SystemExit):

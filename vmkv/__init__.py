@@ -1,16 +1,6 @@
 """vmkv: a KV-cache manager and serving engine comparing PagedAttention blocks with
 virtual-memory (vAttention-style) contiguous slots behind one interface."""
 
-from vmkv.kvcache import (
-    AttentionMetadata,
-    CacheUsage,
-    KVCache,
-    KVCacheFullError,
-    KVCacheSpec,
-    StepSeq,
-    create_kv_cache,
-)
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -19,8 +9,16 @@ __all__ = [
 ]
 
 
+_KVCACHE_NAMES = ("AttentionMetadata", "CacheUsage", "KVCache", "KVCacheFullError", "KVCacheSpec", "StepSeq",
+                  "create_kv_cache")
+
+
 def __getattr__(name: str):
-    # the engine pulls in the model stack; import it only when asked for
+    # torch and the engine load on first use, so `import vmkv.cli` (and `vmkv --help`) stays instant
+    if name in _KVCACHE_NAMES:
+        import vmkv.kvcache as _kvcache  # noqa: PLC0415
+
+        return getattr(_kvcache, name)
     if name in ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"):
         from vmkv.engine import llm as _llm  # noqa: PLC0415
 

@@ -2,93 +2,71 @@
 
     vmkv generate --backend vmem --prompt "What is the capital of France?"
 
+    vmkv generate --random-weights tiny --prompt-token-ids 1,2,3 --max-tokens 8
+
 The answer streams to stdout; loading progress, the KV-cache summary and the timing go to stderr
-(rich).  Defaults come from :mod:`vmkv.engine.config`; the chat template is applied when the
-tokenizer has one (``--no-chat`` sends the raw prompt).
+(rich).  The engine options are shared with ``vmkv serve`` (:mod:`vmkv.engine.args`, defaults from
+:mod:`vmkv.engine.config`); ``--seed`` is the engine seed, ``--sampling-seed`` the request's.  The
+chat template is applied when the tokenizer has one (``--no-chat`` sends the raw prompt).  A model
+without a tokenizer (``--random-weights``) takes ``--prompt-token-ids`` and prints its output as
+comma-separated token ids.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
-from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from vmkv.kvcache.registry import BACKENDS
+from vmkv.engine.args import add_engine_args, apply_threads, engine_kwargs
+from vmkv.engine.config import EngineConfig
 
-__all__ = ["add_arguments", "run", "parse_size"]
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+__all__ = ["add_arguments", "run", "parse_token_ids"]
 
 
-def parse_size(text: str) -> int:
-    """``"268435456"``, ``"256MiB"``, ``"1.5G"`` -> bytes (K/M/G/T are powers of 1024).
+def parse_token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` (commas and/or spaces) -> ``[1, 2, 3]``, for ``argparse`` ``type=``.
 
     Raises:
-        argparse.ArgumentTypeError: not a size.
+        argparse.ArgumentTypeError: empty, or an item that is not an int >= 0.
     """
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 268435456, 256MiB, 2GiB)")
-    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
-    return int(float(m.group(1)) * scale)
+    items = str(text).replace(",", " ").split()
+    if not items:
+        raise argparse.ArgumentTypeError(f"no token ids in {text!r}; give e.g. 1,2,3")
+    ids = []
+    for t in items:
+        if not t.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"token id {t!r} in {text!r} is not an int >= 0; give e.g. 1,2,3")
+        ids.append(int(t))
+    return ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cc, sc, ec = CacheConfig(), SchedulerConfig(), EngineConfig()
+    """Add the ``generate`` options: the request group and the shared engine options of
+    :func:`vmkv.engine.args.add_engine_args` (``--seed`` is the engine seed, ``--sampling-seed`` the
+    request's)."""
     g = parser.add_argument_group("request")
-    g.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", "-p", help="the prompt text")
+    prompt.add_argument("--prompt-token-ids", type=parse_token_ids, metavar="IDS",
+                        help="the prompt as token ids, e.g. 1,2,3 (needed for models without a "
+                             "tokenizer, such as --random-weights; output is printed as ids then)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="apply the tokenizer's chat template (default: when it has one)")
+                   help="apply the tokenizer's chat template to --prompt (default: when it has one)")
     g.add_argument("--system", default=None, help="system message (chat mode only)")
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (default: the engine's shared generator, see --seed)")
     g.add_argument("--n", type=int, default=1, help="completions (share the prompt's KV via fork)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-stream", dest="stream", action="store_false", help="print at the end only")
 
-    g = parser.add_argument_group("model")
-    g.add_argument("--model", "-m", default=ec.model,
-                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--random-weights", default=ec.random_weights, metavar="SHAPE",
-                   help="random weights of a named shape instead of a checkpoint (no tokenizer)")
-    g.add_argument("--device", default=ec.device, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=ec.dtype, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's; 1 is fastest on a busy machine)")
-
-    g = parser.add_argument_group("KV cache and scheduler")
-    g.add_argument("--backend", choices=list(BACKENDS), default=cc.backend, help="KV backend")
-    g.add_argument("--memory-bytes", type=parse_size, default=cc.memory_bytes,
-                   help="KV budget, e.g. 256MiB (default: 256 MiB on CPU, a fraction of free GPU memory)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization)
-    g.add_argument("--block-size", type=int, default=cc.block_size, help="paged: tokens per block")
-    g.add_argument("--page-size-bytes", type=parse_size, default=cc.page_size_bytes,
-                   help="vmem: bytes per physical page (default: driver's)")
-    g.add_argument("--layout", choices=["megacache", "per_layer"], default=cc.layout)
-    g.add_argument("--driver", choices=["auto", "cuda", "host"], default=cc.driver)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=cc.enable_prefix_caching)
-    g.add_argument("--max-num-seqs", type=int, default=sc.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=sc.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=sc.max_model_len,
-                   help="default: min(model context, 4096)")
-    g.add_argument("--engine-seed", type=int, default=ec.seed, help="seed of the shared sampler")
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_args(
-        args.model, args.backend, args.device, args.dtype,
-        memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
-        driver=args.driver, enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, seed=args.engine_seed, random_weights=args.random_weights)
+    add_engine_args(parser)
 
 
 def _load_engine(config: EngineConfig, console):
@@ -122,21 +100,54 @@ def _load_engine(config: EngineConfig, console):
     return engine
 
 
+def _prompt_ids(engine, args: argparse.Namespace) -> list[int] | None:
+    """Token ids of the prompt, or ``None`` when the engine should tokenize ``args.prompt``.
+
+    Raises:
+        ValueError: a text prompt to a model without a tokenizer (the message names
+            ``--prompt-token-ids``), or the chat template cannot be applied.
+    """
+    if args.prompt_token_ids is not None:
+        return args.prompt_token_ids
+    if engine.tokenizer is None:
+        raise ValueError(f"{engine.model_name} has no tokenizer, so --prompt text "
+                         "cannot be tokenized; give the prompt as ids instead, e.g. "
+                         "--prompt-token-ids 1,2,3")
+    use_chat = args.chat
+    if use_chat is None:
+        use_chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    if not use_chat:
+        return None
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    return engine.apply_chat_template(messages)
+
+
+def _ids_text(token_ids) -> str:
+    return ",".join(str(t) for t in token_ids)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Load the model, generate for the one prompt and print the completion(s) to stdout (as
+    comma-separated token ids when the model has no tokenizer).  Returns the exit code: 0, 1 (load
+    failure or no output), 2 (bad options or prompt), 130 (interrupted)."""
     from rich.console import Console  # noqa: PLC0415
 
     from vmkv.engine.sampling_params import SamplingParams  # noqa: PLC0415
 
     err = Console(stderr=True, soft_wrap=True)
-    if args.threads is not None:
-        import torch  # noqa: PLC0415
-
-        torch.set_num_threads(max(1, args.threads))
+    apply_threads(args)
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,
+                                top_k=args.top_k, seed=args.sampling_seed, max_tokens=args.max_tokens,
                                 stop=args.stop, ignore_eos=args.ignore_eos)
-        config = _engine_config(args)
+        config = EngineConfig.from_args(**engine_kwargs(args))
+        if args.prompt_token_ids is not None and args.chat:
+            raise ValueError("--chat applies to --prompt text; --prompt-token-ids are sent as they are")
+        if config.random_weights and args.prompt_token_ids is None:   # fail before loading
+            raise ValueError(f"--random-weights {config.random_weights} has no tokenizer, so --prompt text "
+                             "cannot be tokenized; give the prompt as ids instead, e.g. "
+                             "--prompt-token-ids 1,2,3")
     except (TypeError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 2
@@ -151,25 +162,15 @@ def run(args: argparse.Namespace) -> int:
     err.print(f"[bold]{engine.model_name}[/bold] on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
               f"loaded in {t_load:.1f} s; KV: [cyan]{config.cache.backend}[/cyan], "
               f"{usage.capacity_bytes / 2**20:.0f} MiB, max_model_len {engine.max_model_len}")
-
-    use_chat = args.chat
-    has_template = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
-    if use_chat is None:
-        use_chat = has_template
     try:
-        if use_chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            messages.append({"role": "user", "content": args.prompt})
-            prompt_ids = engine.apply_chat_template(messages)
-        elif engine.tokenizer is None:
-            raise ValueError("this model has no tokenizer (random weights); nothing to tokenize the prompt with")
-        else:
-            prompt_ids = None
+        prompt_ids = _prompt_ids(engine, args)
         engine.add_request("cli-0", args.prompt, params, prompt_token_ids=prompt_ids)
     except ValueError as e:
         err.print(f"[red]error:[/red] {e}")
+        engine.close()
         return 2
 
+    as_ids = engine.tokenizer is None          # nothing to detokenize with: print the token ids
     stream = args.stream and params.n == 1
     printed = 0
     final = None
@@ -178,10 +179,15 @@ def run(args: argparse.Namespace) -> int:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if stream:
-                    text = out.outputs[0].text
-                    sys.stdout.write(text[printed:])
+                    c = out.outputs[0]
+                    if as_ids:
+                        new = c.token_ids[printed:]
+                        sys.stdout.write(("," if printed and new else "") + _ids_text(new))
+                        printed = len(c.token_ids)
+                    else:
+                        sys.stdout.write(c.text[printed:])
+                        printed = len(c.text)
                     sys.stdout.flush()
-                    printed = len(text)
                 if out.finished:
                     final = out
     except KeyboardInterrupt:
@@ -197,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         for c in final.outputs:
             if params.n > 1:
                 sys.stdout.write(f"--- completion {c.index} ---\n")
-            sys.stdout.write(c.text + "\n")
+            sys.stdout.write((_ids_text(c.token_ids) if as_ids else c.text) + "\n")
     sys.stdout.flush()
     num_out = sum(len(c.token_ids) for c in final.outputs)
     stats = engine.get_stats()

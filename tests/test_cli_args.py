@@ -1,0 +1,179 @@
+"""The engine options shared by ``vmkv serve`` and ``vmkv generate`` (vmkv/engine/args.py), and
+``vmkv generate`` on a tokenizer-less random-weight model."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from vmkv.engine.args import add_engine_args, engine_kwargs, parse_size
+from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+ENGINE_FLAGS = [
+    "--model", "some/dir", "--backend", "vmem", "--device", "cpu", "--dtype", "float32",
+    "--random-weights", "tiny", "--seed", "7", "--threads", "1",
+    "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "256",
+    "--memory-bytes", "64MiB", "--block-size", "32", "--page-size-bytes", "128KiB",
+    "--layout", "per_layer", "--driver", "host",
+    "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+]
+EXPECTED_KWARGS = dict(
+    model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
+    max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256, memory_bytes=64 << 20,
+    gpu_memory_utilization=CacheConfig().gpu_memory_utilization, block_size=32,
+    page_size_bytes=128 << 10, layout="per_layer", driver="host", enable_prefix_caching=False,
+    enable_chunked_prefill=False,
+)
+
+
+def _parser(module: str) -> argparse.ArgumentParser:
+    import importlib
+
+    p = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(p)
+    return p
+
+
+@pytest.mark.parametrize("text, want", [
+    ("4096", 4096), (4096, 4096), (" 12 ", 12), ("1B", 1),
+    ("4KiB", 4096), ("64k", 65536), ("4Ki", 4096), ("256MiB", 256 << 20), ("512M", 512 << 20),
+    ("2GiB", 2 << 30), ("1.5G", 3 << 29), ("1TiB", 1 << 40), ("0.5K", 512),
+    ("2kB", 2000), ("2MB", 2_000_000), ("1.5GB", 1_500_000_000),
+])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "12 parsecs", "0", "-3", "1.5 xb", "0.1", "GiB", 0, -1, True, "1e9"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(argparse.ArgumentTypeError, match="256MiB"):
+        parse_size(bad)
+
+
+def test_parse_size_error_through_argparse(capsys):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--memory-bytes", "lots"])
+    assert "argument --memory-bytes: not a size: 'lots'" in capsys.readouterr().err
+
+
+def test_defaults_come_from_the_configs():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args([]))
+    ec, cc, sc = EngineConfig(), CacheConfig(), SchedulerConfig()
+    assert kw == dict(
+        model=ec.model, kv_backend=cc.backend, device=ec.device, dtype=ec.dtype, seed=ec.seed,
+        random_weights=ec.random_weights, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
+        memory_bytes=cc.memory_bytes, gpu_memory_utilization=cc.gpu_memory_utilization,
+        block_size=cc.block_size, page_size_bytes=cc.page_size_bytes, layout=cc.layout,
+        driver=cc.driver, enable_prefix_caching=cc.enable_prefix_caching,
+        enable_chunked_prefill=sc.enable_chunked_prefill)
+    assert p.parse_args([]).threads is None           # torch's own thread count is left alone
+    # the kwargs build a valid config as they are
+    assert EngineConfig.from_args(**kw) == EngineConfig()
+
+
+@pytest.mark.parametrize("module, extra", [("vmkv.server.cli", []),
+                                           ("vmkv.engine.cli", ["--prompt-token-ids", "1,2"])])
+def test_both_clis_take_the_same_engine_flags(module, extra):
+    args = _parser(module).parse_args([*ENGINE_FLAGS, *extra])
+    assert engine_kwargs(args) == EXPECTED_KWARGS
+    assert args.threads == 1
+    cfg = EngineConfig.from_args(**engine_kwargs(args))
+    assert (cfg.seed, cfg.cache.layout, cfg.scheduler.enable_chunked_prefill) == (7, "per_layer", False)
+
+
+@pytest.mark.parametrize("module, extra", [("vmkv.server.cli", []), ("vmkv.engine.cli", ["--prompt", "x"])])
+def test_aliases_and_mutual_exclusion(module, extra):
+    p = _parser(module)
+    a = p.parse_args([*extra, "--no-prefix-caching", "--no-chunked-prefill"])
+    assert (a.enable_prefix_caching, a.enable_chunked_prefill) == (False, False)
+    a = p.parse_args([*extra, "--enable-prefix-caching", "--gpu-memory-utilization", "0.3"])
+    assert (a.enable_prefix_caching, a.enable_chunked_prefill, a.gpu_memory_utilization) == (True, True, 0.3)
+    for bad in (["--memory-bytes", "1GiB", "--gpu-memory-utilization", "0.5"], ["--threads", "0"],
+                ["--backend", "blocks"]):
+        with pytest.raises(SystemExit):
+            p.parse_args([*extra, *bad])
+
+
+def test_generate_seed_is_the_engine_seed_and_sampling_seed_the_requests():
+    p = _parser("vmkv.engine.cli")
+    a = p.parse_args(["--prompt", "x", "--seed", "3", "--sampling-seed", "5"])
+    assert (a.seed, a.sampling_seed, engine_kwargs(a)["seed"]) == (3, 5, 3)
+    with pytest.raises(SystemExit):                   # the old name is gone
+        p.parse_args(["--prompt", "x", "--engine-seed", "3"])
+    with pytest.raises(SystemExit):                   # exactly one of --prompt / --prompt-token-ids
+        p.parse_args([])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prompt", "x", "--prompt-token-ids", "1"])
+    assert p.parse_args(["--prompt-token-ids", " 5, 6 7"]).prompt_token_ids == [5, 6, 7]
+    for bad in ("", "1,-2", "1,x", "1.5"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--prompt-token-ids", bad])
+
+
+# ------------------------------------------------------------------ generate on random weights
+def _greedy_ids(prompt_ids: list[int], max_tokens: int, **knobs) -> list[int]:
+    from vmkv.engine.llm_engine import LLMEngine
+    from vmkv.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_args(random_weights="tiny", device="cpu", dtype="float32", **knobs)
+    engine.add_request("r", None, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                       prompt_token_ids=prompt_ids)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    engine.close()
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_generate_random_weights_prints_token_ids(capsys, stream):
+    from vmkv.cli import main
+
+    common = ["generate", "--random-weights", "tiny", "--device", "cpu", "--dtype", "float32",
+              "--memory-bytes", "1MiB", "--max-tokens", "6", "--ignore-eos", "--seed", "2"]
+    assert main([*common, "--prompt-token-ids", "1,2,3", *([] if stream else ["--no-stream"])]) == 0
+    out = capsys.readouterr().out
+    want = _greedy_ids([1, 2, 3], 6, memory_bytes=1 << 20, seed=2)
+    assert len(want) == 6
+    assert out == ",".join(map(str, want)) + "\n"
+
+
+def test_generate_random_weights_text_prompt_names_prompt_token_ids(capsys):
+    from vmkv.cli import main
+
+    rc = main(["generate", "--random-weights", "tiny", "--device", "cpu", "--prompt", "hello"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer" in err and "--prompt-token-ids" in err
+    assert "Loading" not in err                       # refused before loading the model
+    rc = main(["generate", "--random-weights", "tiny", "--device", "cpu", "--prompt-token-ids", "1", "--chat"])
+    assert rc == 2 and "--chat applies to --prompt" in capsys.readouterr().err
+
+
+def test_top_level_help_does_not_import_torch():
+    code = ("import sys; from vmkv.cli import build_parser; build_parser(['--help']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_text_prompt_to_any_tokenizerless_model_names_prompt_token_ids():
+    from types import SimpleNamespace
+
+    from vmkv.engine.cli import _prompt_ids
+
+    engine = SimpleNamespace(tokenizer=None, model_name="some-gguf")
+    args = _parser("vmkv.engine.cli").parse_args(["--prompt", "hi"])
+    with pytest.raises(ValueError, match="some-gguf has no tokenizer.*--prompt-token-ids 1,2,3"):
+        _prompt_ids(engine, args)
+    args = _parser("vmkv.engine.cli").parse_args(["--prompt-token-ids", "4,5"])
+    assert _prompt_ids(engine, args) == [4, 5]

@@ -1,0 +1,164 @@
+"""Engine command-line options shared by ``vmkv serve`` and ``vmkv generate``.
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)                       # --model, --backend, ..., --seed, --threads
+    args = parser.parse_args(argv)
+    apply_threads(args)
+    engine = LLMEngine.from_args(**engine_kwargs(args))
+
+Flag names follow vLLM's ``EngineArgs`` where the knob exists there (``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--max-model-len``, ``--gpu-memory-utilization``, ``--block-size``,
+``--enable-prefix-caching/--no-enable-prefix-caching``, ``--enable-chunked-prefill/...``, ``--seed``
+as the engine seed).  Defaults are read from the frozen config dataclasses in
+:mod:`vmkv.engine.config`, so the CLI and the Python API cannot drift apart; range checks stay in
+the dataclasses' ``__post_init__`` (the CLIs report their ``ValueError`` and exit with status 2).
+
+Importing this module imports :mod:`vmkv.engine.config` (and with it the KV-cache registry), so
+``vmkv/cli.py`` imports it only for the subcommand being run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from vmkv.kvcache.registry import BACKENDS
+
+__all__ = ["parse_size", "add_engine_args", "engine_kwargs", "apply_threads"]
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+# bare K/M/G/T and the IEC KiB/MiB/... are powers of 1024; the SI kB/MB/GB/TB are powers of 1000
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    **{p + s: 1024**n for p, n in _POWERS.items() for s in ("", "i", "ib")},
+    **{p + "b": 1000**n for p, n in _POWERS.items()},
+}
+
+
+def parse_size(text: str | int) -> int:
+    """A byte count from an int or a size string, for ``argparse`` ``type=``.
+
+    ``4096`` and ``"4096"`` -> 4096; ``"512MiB"``, ``"512M"``, ``"512Mi"`` -> 512 * 2**20;
+    ``"1.5G"`` -> 1.5 * 2**30; ``"2GB"`` -> 2 * 10**9 (``B``-suffixed SI units are decimal, bare
+    letters and ``iB`` units binary).  Units are case-insensitive; fractions round down to whole bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size (bool, negative, unknown unit, garbage) or not
+            at least 1 byte; the message gives examples of valid sizes.
+    """
+    examples = "use a positive byte count such as 268435456, 256MiB, 2GiB or 1.5G"
+    if isinstance(text, bool):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}; {examples}")
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.fullmatch(str(text))
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _UNITS:
+            raise argparse.ArgumentTypeError(f"not a size: {text!r}; {examples}")
+        try:
+            value = int(Decimal(m.group(1)) * _UNITS[unit])
+        except InvalidOperation:  # pragma: no cover - the regex admits only decimal numbers
+            raise argparse.ArgumentTypeError(f"not a size: {text!r}; {examples}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}; {examples}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine options to ``parser`` in two groups: "model" (``--model --backend --device
+    --dtype --random-weights --seed --threads``) and "KV cache and scheduler" (``--max-num-seqs
+    --max-num-batched-tokens --max-model-len --memory-bytes | --gpu-memory-utilization --block-size
+    --page-size-bytes --layout --driver --[no-]enable-prefix-caching --[no-]enable-chunked-prefill``).
+
+    Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`.
+    ``--no-prefix-caching`` and ``--no-chunked-prefill`` are accepted as hidden aliases of the
+    ``--no-enable-...`` flags.  ``--memory-bytes`` and ``--gpu-memory-utilization`` are mutually
+    exclusive.  ``--threads`` is no engine field: call :func:`apply_threads` before loading.
+    """
+    ec, cc, sc = EngineConfig(), CacheConfig(), SchedulerConfig()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", "-m", default=ec.model,
+                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--backend", choices=list(BACKENDS), default=cc.backend,
+                   help="KV-cache backend (default: %(default)s)")
+    g.add_argument("--device", default=ec.device, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=ec.dtype,
+                   help="float32, float16, bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--random-weights", default=ec.random_weights, metavar="SHAPE",
+                   help="seeded random weights of a named shape (tiny, smollm2-135m, llama3-8b, ...) "
+                        "instead of a checkpoint; such a model has no tokenizer")
+    g.add_argument("--seed", type=int, default=ec.seed,
+                   help="engine seed: random weights and the sampler's shared generator "
+                        "(default: %(default)s)")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch intra-op CPU threads (default: torch's own; 1 is fastest on a busy machine)")
+
+    g = parser.add_argument_group("KV cache and scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=sc.max_num_seqs,
+                   help="sequences running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=sc.max_num_batched_tokens,
+                   help="token budget per step (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=sc.max_model_len,
+                   help="context length, prompt + output (default: min(model context, 4096))")
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument("--memory-bytes", type=parse_size, default=cc.memory_bytes, metavar="SIZE",
+                     help="KV memory budget, e.g. 512MiB (default: 256 MiB on CPU, "
+                          "--gpu-memory-utilization of free memory on CUDA)")
+    mem.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization,
+                     help="fraction of free GPU memory for KV (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=cc.block_size,
+                   help="paged: tokens per block (default: %(default)s)")
+    g.add_argument("--page-size-bytes", type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
+                   help="vmem: bytes per physical page, e.g. 2MiB (default: the driver's)")
+    g.add_argument("--layout", choices=["megacache", "per_layer"], default=cc.layout,
+                   help="vmem: virtual layout (default: %(default)s)")
+    g.add_argument("--driver", choices=["auto", "cuda", "host"], default=cc.driver,
+                   help="vmem: page driver (default: %(default)s)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=cc.enable_prefix_caching,
+                   help="share KV of identical prompt prefixes (default: %(default)s)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=sc.enable_chunked_prefill,
+                   help="split long prompts over steps (default: %(default)s)")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of ``LLMEngine.from_args`` / ``EngineConfig.from_args`` from options
+    added by :func:`add_engine_args` (``--threads`` is not among them; see :func:`apply_threads`)."""
+    return dict(
+        model=args.model, kv_backend=args.backend, device=args.device, dtype=args.dtype,
+        seed=args.seed, random_weights=args.random_weights, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
+        driver=args.driver, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """``torch.set_num_threads(args.threads)`` when ``--threads`` was given; otherwise leaves
+    torch's thread count as it is."""
+    if getattr(args, "threads", None) is not None:
+        import torch  # noqa: PLC0415  (heavy; only when the option is used)
+
+        torch.set_num_threads(args.threads)

@@ -83,7 +83,8 @@ class _Seq:
     seq_id: int
     slot: Slot
     seq_len: int
-    written: list[int]      # per layer: positions [0, written) hold K/V (prefix registration)
+    written: list[int]      # per layer: positions [0, written) hold K/V (prefix registration;
+                            # prepare() stops advancing it once every prompt unit is registered)
     hashes: list[int]       # chained hashes of the prompt's full units
     num_registered: int     # leading units registered in (or found in) the prefix cache
 
@@ -240,12 +241,19 @@ class VMemKVCache(KVCache):
         from above (else the largest below); then the lowest index."""
         def key(s: Slot):
             matched = sum(1 for u, pages in enumerate(hits) if s.units.get(u) == list(pages))
-            overwritten = sum(1 for u in range(len(hits), num_units) for p in s.units.get(u, ())
+            overwritten = sum(1 for u, pages in s.units.items() if len(hits) <= u < num_units
+                              for p in pages
                               if p is not None and self.prefix.is_hashed(p) and self.mapper.refcount(p) == 1)
             kept = len(s.units)
             fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
             return (-matched, overwritten, fit, s.index)
-        return min(free, key=key)
+        # slots that keep no pages all score alike: only the lowest-index one competes (keeps the
+        # choice O(slots with kept pages) instead of O(free slots x units) per admission)
+        candidates = [s for s in free if s.units]
+        empty = [s for s in free if not s.units]
+        if empty:
+            candidates.append(min(empty, key=lambda s: s.index))
+        return min(candidates, key=key)
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
@@ -297,6 +305,14 @@ class VMemKVCache(KVCache):
         if new_len == seq.seq_len:
             return
         slot = seq.slot
+        # fast path (most decode steps): the positions lie in claimed, unshared units and the
+        # look-ahead target is already claimed: no page to map or copy
+        ahead_len = min(self.max_model_len, new_len + self.lookahead_tokens)
+        if (self.layout.num_units(ahead_len) <= slot.claimed and not self.mapper.any_shared(
+                slot, self.layout.units_overlapping(seq.seq_len, new_len))):
+            seq.seq_len = new_len
+            self._alloc_ns += time.perf_counter_ns() - t0
+            return
         num_units = max(slot.claimed, self.layout.num_units(new_len))
         cow = [u for u in self.layout.units_overlapping(seq.seq_len, new_len) if u < slot.claimed]
         fresh, available = self.mapper.plan_grow(slot, num_units, cow)
@@ -447,13 +463,17 @@ class VMemKVCache(KVCache):
                 raise ValueError(f"{e} writes up to position {end} > seq_len {seq.seq_len}; extend() first")
             entries.append((e, seq, self.layout.units_overlapping(e.num_computed_tokens, end)))
         all_res = range(self.layout.num_reservations)
-        need = sum(self.mapper.plan_writable(seq.slot, units, all_res) for _, seq, units in entries)
+        shared = [x for x in entries if self.mapper.any_shared(x[1].slot, x[2])]
+        need = sum(self.mapper.plan_writable(seq.slot, units, all_res) for _, seq, units in shared)
         if need > self.mapper.available_pages():
             raise KVCacheFullError(sum(e.num_new_tokens for e in batch), 0,
                                    f"copy-on-write of {need} shared pages, "
                                    f"{self.mapper.available_pages()} obtainable")
-        for e, seq, units in entries:
+        for _, seq, units in shared:
             self.mapper.make_writable(seq.slot, units, all_res)
+        for e, seq, units in entries:
+            if seq.num_registered >= len(seq.hashes):
+                continue        # marks only feed prefix registration; nothing left to register
             end = e.num_computed_tokens + e.num_new_tokens
             seq.written = [max(w, end) if e.num_computed_tokens <= w else w for w in seq.written]
             self._register(seq)

@@ -396,6 +396,15 @@ class SlotMapper:
             self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
 
     # ------------------------------------------------------------------ copy-on-write
+    def any_shared(self, slot: Slot, units: Iterable[int]) -> bool:
+        """Does any mapped page of ``units`` of ``slot`` have a reference count above 1?"""
+        refcount = self.pool.refcount
+        for u in units:
+            for p in slot.units.get(u, ()):
+                if p is not None and refcount(p) > 1:
+                    return True
+        return False
+
     def plan_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int]) -> int:
         """Fresh pages :meth:`make_writable` needs: the shared pages among ``units`` x ``reservations``."""
         reservations = tuple(reservations)

@@ -18,6 +18,7 @@ from vmkv.kvcache.base import KVCache
 from vmkv.vmem import HostDriver, VMemKVCache, VMMError
 from vmkv.vmem import cache as cache_mod
 from vmkv.vmem.mapper import SlotMapper
+from vmem_helpers import random_op
 
 PAGE = 4096
 MAX_LEN = 128
@@ -149,40 +150,13 @@ def _random_ops(c, seed, prefetch=False):
             c.write(seq, layer, start, k, -k)
 
     for _ in range(120):
-        op = rng.choice(["alloc", "alloc", "extend", "extend", "fork", "free"])
-        live = list(tokens)
         before = c.usage()
         try:
-            if op == "alloc" or not live:
-                n = rng.randint(1, 4 * ut)
-                ids = (rng.choice(prefixes) + [rng.randrange(50) for _ in range(n)])[:n]
-                fits = c.can_allocate(n)
-                try:
-                    hit = c.allocate(next_id, n, ids)
-                except KVCacheFullError:
-                    assert not fits, "can_allocate said yes, allocate refused"
-                    raise
-                tokens[next_id] = ids
-                write_range(next_id, hit, n)
-                next_id += 1
-            elif op == "extend":
-                seq = rng.choice(live)
-                k = rng.randint(1, ut + 2)
-                if len(tokens[seq]) + k > MAX_LEN:
-                    continue
-                old = len(tokens[seq])
-                c.extend(seq, k)
-                tokens[seq] = tokens[seq] + [0] * k
-                write_range(seq, old, old + k)
-            elif op == "fork":
-                parent = rng.choice(live)
-                c.fork(parent, next_id)
-                tokens[next_id] = list(tokens[parent])
-                next_id += 1
-            else:
-                seq = rng.choice(live)
-                c.free(seq)
-                del tokens[seq]
+            done = random_op(c, rng, tokens, next_id, prefixes, MAX_LEN, write_range,
+                             new_token=lambda: 0, check_can_allocate=True)
+            if done is None:
+                continue
+            next_id = done
         except KVCacheFullError:
             assert c.usage() == before
         if prefetch and tokens:

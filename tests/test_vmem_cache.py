@@ -15,6 +15,7 @@ from vmkv import KVCacheFullError, KVCacheSpec, StepSeq, create_kv_cache
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
 from vmkv.vmem import HostDriver, SlotsExhaustedError, VMemKVCache
+from vmem_helpers import random_kv, random_op, write_all
 
 PAGE = 4096
 MAX_LEN = 128
@@ -46,19 +47,12 @@ def make(layout):
 
 
 def _kv(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, SPEC.num_kv_heads, SPEC.head_dim, generator=g),
-            torch.randn(n, SPEC.num_kv_heads, SPEC.head_dim, generator=g))
+    return random_kv(SPEC, n, seed)
 
 
 def _write_all(c, seq, start, n, seed):
     """Write random K/V at [start, start + n) of every layer; returns {layer: (k, v)}."""
-    out = {}
-    for layer in range(SPEC.num_layers):
-        k, v = _kv(n, seed * 100 + layer)
-        c.write(seq, layer, start, k, v)
-        out[layer] = (k, v)
-    return out
+    return write_all(c, SPEC, seq, start, n, seed)
 
 
 def _maps(c):
@@ -502,36 +496,13 @@ def test_random_operations_against_an_oracle(make, layout):
             c.write(seq, layer, start, k, v)
 
     for _ in range(150):
-        op = rng.choice(["alloc", "alloc", "extend", "extend", "fork", "free"])
-        live = list(tokens)
         before = c.usage()
         try:
-            if op == "alloc" or not live:
-                n = rng.randint(1, 4 * ut)
-                ids = (rng.choice(prefixes) + [rng.randrange(50) for _ in range(n)])[:n]
-                hit = c.allocate(next_id, n, ids)
-                assert hit % ut == 0 and hit < n
-                tokens[next_id] = ids
-                write_range(next_id, hit, n)
-                next_id += 1
-            elif op == "extend":
-                seq = rng.choice(live)
-                k = rng.randint(1, ut + 2)
-                if len(tokens[seq]) + k > MAX_LEN:
-                    continue
-                old = len(tokens[seq])
-                c.extend(seq, k)
-                tokens[seq] = tokens[seq] + [rng.randrange(50) for _ in range(k)]
-                write_range(seq, old, old + k)
-            elif op == "fork":
-                parent = rng.choice(live)
-                c.fork(parent, next_id)
-                tokens[next_id] = list(tokens[parent])
-                next_id += 1
-            else:
-                seq = rng.choice(live)
-                c.free(seq)
-                del tokens[seq]
+            done = random_op(c, rng, tokens, next_id, prefixes, MAX_LEN, write_range,
+                             new_token=lambda: rng.randrange(50))
+            if done is None:
+                continue
+            next_id = done
         except KVCacheFullError:
             assert c.usage() == before
         c.check_integrity()

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 cuda_bindings = pytest.importorskip("cuda.bindings")
 
 from vmkv.vmem import CudaDriver, VMemKVCache, VMMError  # noqa: E402
+from vmem_helpers import random_kv, write_all  # noqa: E402
 
 MIB = 1024 * 1024
 MAX_LEN = 4096
@@ -55,19 +56,11 @@ def make(layout):
 
 
 def _kv(n, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (n, SPEC.num_kv_heads, SPEC.head_dim)
-    return (torch.randn(shape, generator=g, device="cuda").to(SPEC.dtype),
-            torch.randn(shape, generator=g, device="cuda").to(SPEC.dtype))
+    return random_kv(SPEC, n, seed)
 
 
 def _write_all(c, seq, start, n, seed):
-    out = {}
-    for layer in range(SPEC.num_layers):
-        k, v = _kv(n, seed * 100 + layer)
-        c.write(seq, layer, start, k, v)
-        out[layer] = (k, v)
-    return out
+    return write_all(c, SPEC, seq, start, n, seed)
 
 
 def test_cuda_driver_pages_share_unmap_remap(driver):

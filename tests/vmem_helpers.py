@@ -1,0 +1,82 @@
+"""Helpers the vmem test files share (test_vmem_cache.py, test_vmem_batching.py, test_vmem_cuda.py).
+
+Each file keeps its own ``SPEC`` (host fp32 or CUDA bf16); the helpers take it as an argument.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from vmkv import KVCacheFullError, KVCacheSpec
+
+
+def random_kv(spec: KVCacheSpec, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random K and V, each ``[n, num_kv_heads, head_dim]`` of ``spec.dtype`` on ``spec.device``
+    (drawn in float32 with a generator on that device, then cast)."""
+    g = torch.Generator(device=spec.device).manual_seed(seed)
+    shape = (n, spec.num_kv_heads, spec.head_dim)
+    return (torch.randn(shape, generator=g, device=spec.device).to(spec.dtype),
+            torch.randn(shape, generator=g, device=spec.device).to(spec.dtype))
+
+
+def write_all(c, spec: KVCacheSpec, seq: int, start: int, n: int, seed: int) -> dict:
+    """Write random K/V at positions ``[start, start + n)`` of every layer of ``seq`` with ``c.write``;
+    returns ``{layer: (k, v)}`` as written."""
+    out = {}
+    for layer in range(spec.num_layers):
+        k, v = random_kv(spec, n, seed * 100 + layer)
+        c.write(seq, layer, start, k, v)
+        out[layer] = (k, v)
+    return out
+
+
+def random_op(c, rng: random.Random, tokens: dict[int, list[int]], next_id: int,
+              prefixes: list[list[int]], max_len: int, write_range: Callable[[int, int, int], None],
+              new_token: Callable[[], int], check_can_allocate: bool = False) -> int | None:
+    """One seeded random allocate / extend / fork / free on ``c`` (allocate and extend twice as likely).
+
+    ``tokens`` maps each live sequence to its token ids and is updated in place; ``write_range(seq,
+    start, end)`` writes K/V of the new positions (after ``tokens`` is updated); ``new_token()`` gives
+    an appended token id.  A ``KVCacheFullError`` propagates (the caller checks state is unchanged);
+    with ``check_can_allocate`` an allocate refused after ``can_allocate`` said yes fails the test.
+    Returns the next unused sequence id, or None when the drawn extend would pass ``max_len`` and
+    nothing was done (callers skip the rest of that iteration).
+    """
+    op = rng.choice(["alloc", "alloc", "extend", "extend", "fork", "free"])
+    live = list(tokens)
+    ut = c.unit_tokens
+    if op == "alloc" or not live:
+        n = rng.randint(1, 4 * ut)
+        ids = (rng.choice(prefixes) + [rng.randrange(50) for _ in range(n)])[:n]
+        fits = c.can_allocate(n) if check_can_allocate else True
+        try:
+            hit = c.allocate(next_id, n, ids)
+        except KVCacheFullError:
+            assert not (check_can_allocate and fits), "can_allocate said yes, allocate refused"
+            raise
+        assert hit % ut == 0 and hit < n
+        tokens[next_id] = ids
+        write_range(next_id, hit, n)
+        return next_id + 1
+    if op == "extend":
+        seq = rng.choice(live)
+        k = rng.randint(1, ut + 2)
+        if len(tokens[seq]) + k > max_len:
+            return None
+        old = len(tokens[seq])
+        c.extend(seq, k)
+        tokens[seq] = tokens[seq] + [new_token() for _ in range(k)]
+        write_range(seq, old, old + k)
+        return next_id
+    if op == "fork":
+        parent = rng.choice(live)
+        c.fork(parent, next_id)
+        tokens[next_id] = list(tokens[parent])
+        return next_id + 1
+    seq = rng.choice(live)
+    c.free(seq)
+    del tokens[seq]
+    return next_id

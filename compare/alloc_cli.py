@@ -16,6 +16,7 @@ import numpy as np
 from vmkv.compare import alloc_sim, report
 from vmkv.compare.shapes import SHAPES, get_shape
 from vmkv.compare.workloads import LengthDist
+from vmkv.engine.args import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def _size_list(text: str) -> list[int]:
-    try:
-        return [alloc_sim.parse_size(x) for x in text.split(",") if x]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    """Comma-separated sizes (``4K,64K,2MiB``) in bytes; raises argparse.ArgumentTypeError."""
+    return [parse_size(x) for x in text.split(",") if x]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -38,26 +38,12 @@ __all__ = [
     "sweep",
     "DEFAULT_BLOCK_SIZES",
     "DEFAULT_PAGE_SIZES",
-    "parse_size",
 ]
 
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: 4 KiB (host pages), 64/128/256 KiB (vAttention's patched driver), 2 MiB (the CUDA VMM granularity)
 DEFAULT_PAGE_SIZES = (4 << 10, 64 << 10, 128 << 10, 256 << 10, 2 << 20)
 LAYOUTS = ("megacache", "per_layer")
-
-
-def parse_size(text: str | int) -> int:
-    """``"64K"``, ``"2M"``, ``"2MiB"``, ``"4096"`` -> bytes (powers of 1024).  Raises ValueError."""
-    s = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    try:
-        value = int(float(s[:-1]) * mult) if mult > 1 else int(s)
-    except ValueError:
-        raise ValueError(f"cannot parse size {text!r}; use bytes or a K/M/G suffix like 64K, 2M") from None
-    if value <= 0:
-        raise ValueError(f"size must be > 0 bytes, got {text!r}")
-    return value
 
 
 def units_needed(num_tokens: int | np.ndarray, unit_tokens: int) -> int | np.ndarray:

@@ -25,6 +25,7 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
+from vmkv.engine.args import DRIVER_CHOICES, LAYOUT_CHOICES, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     e.add_argument("--block-size", type=int, default=None, help="paged block size (tokens)")
-    e.add_argument("--page-size", default=None, help="vmem page size (64K, 2M)")
-    e.add_argument("--layout", default=None, choices=["megacache", "per_layer"])
-    e.add_argument("--driver", default=None, choices=["auto", "cuda", "host"])
+    e.add_argument("--page-size", type=parse_size, default=None, help="vmem page size (64K, 2MiB)")
+    e.add_argument("--layout", default=None, choices=LAYOUT_CHOICES)
+    e.add_argument("--driver", default=None, choices=DRIVER_CHOICES)
     e.add_argument("--no-prefix-caching", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
@@ -92,8 +93,6 @@ def scenario_name(rate: float) -> str:
 
 
 def _knobs(args, max_model_len: int) -> dict:
-    from vmkv.compare.alloc_sim import parse_size
-
     knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "seed": args.seed}
     if args.model in SHAPES:
@@ -106,7 +105,7 @@ def _knobs(args, max_model_len: int) -> dict:
         if getattr(args, name) is not None:
             knobs[name] = getattr(args, name)
     if args.page_size is not None:
-        knobs["page_size_bytes"] = parse_size(args.page_size)
+        knobs["page_size_bytes"] = args.page_size
     if args.no_prefix_caching:
         knobs["enable_prefix_caching"] = False
     return knobs

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from vmkv.compare.alloc_sim import (
-    parse_size,
     simulate_paged,
     simulate_reservation,
     simulate_vmem,
@@ -96,11 +95,13 @@ def test_errors_name_the_value():
         units_needed(4, 0)
 
 
-def test_parse_size():
-    assert parse_size("64K") == 65536 and parse_size("2MiB") == 2 << 20 and parse_size(4096) == 4096
-    assert parse_size("1.5M") == 3 << 19
-    with pytest.raises(ValueError, match="K/M/G"):
-        parse_size("lots")
+def test_page_sizes_use_the_engine_size_parser():
+    import argparse
+
+    from vmkv.compare.alloc_cli import _size_list
+    assert _size_list("64K,2MiB,4096") == [65536, 2 << 20, 4096] and _size_list("1.5M") == [3 << 19]
+    with pytest.raises(argparse.ArgumentTypeError, match="byte count"):
+        _size_list("4K,lots")
 
 
 def test_compare_alloc_cli_writes_consistent_results(tmp_path):

@@ -69,7 +69,13 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+#: ``--layout`` and ``--driver`` choices (the vmem backend's layouts and page drivers)
+LAYOUT_CHOICES = ("megacache", "per_layer")
+DRIVER_CHOICES = ("auto", "cuda", "host")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1, for ``argparse`` ``type=``.  Raises argparse.ArgumentTypeError otherwise."""
     try:
         value = int(text)
     except ValueError:
@@ -105,7 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=ec.seed,
                    help="engine seed: random weights and the sampler's shared generator "
                         "(default: %(default)s)")
-    g.add_argument("--threads", type=_positive_int, default=None,
+    g.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op CPU threads (default: torch's own; 1 is fastest on a busy machine)")
 
     g = parser.add_argument_group("KV cache and scheduler")
@@ -125,9 +131,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="paged: tokens per block (default: %(default)s)")
     g.add_argument("--page-size-bytes", type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
                    help="vmem: bytes per physical page, e.g. 2MiB (default: the driver's)")
-    g.add_argument("--layout", choices=["megacache", "per_layer"], default=cc.layout,
+    g.add_argument("--layout", choices=LAYOUT_CHOICES, default=cc.layout,
                    help="vmem: virtual layout (default: %(default)s)")
-    g.add_argument("--driver", choices=["auto", "cuda", "host"], default=cc.driver,
+    g.add_argument("--driver", choices=DRIVER_CHOICES, default=cc.driver,
                    help="vmem: page driver (default: %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cc.enable_prefix_caching,

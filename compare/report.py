@@ -231,12 +231,7 @@ def plot_waste_vs_unit(results: Sequence[dict], path: str | Path, title: str = "
                 ax.axhline(r["waste_pct"], color="grey", ls="--", label="max-length reservation")
     for ax in (ax1, ax2):
         ax.set_ylim(0, 100)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish(fig, (ax1, ax2), path, title, 8)
 
 
 def _save(fig, path) -> Path:
@@ -245,6 +240,21 @@ def _save(fig, path) -> Path:
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
+
+
+def _finish(fig, axes, path, title: str, legend_fontsize: int, *, figure_title: bool = True) -> Path:
+    """Grid and legend on every axis of ``axes``, the title (figure-wide, or on the single axis when
+    ``figure_title`` is false; none when empty), tight layout, then :func:`_save`."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_fontsize)
+    if title:
+        if figure_title:
+            fig.suptitle(title, fontsize=10)
+        else:
+            axes[0].set_title(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def plot_latency_cdfs(series: dict[str, dict[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
@@ -265,12 +275,7 @@ def plot_latency_cdfs(series: dict[str, dict[str, Sequence[float]]], path: str |
                 ax.plot(vals, np.arange(1, vals.size + 1) / vals.size, label=label, lw=1.3)
         ax.set_xlabel(metric)
         ax.set_ylabel("fraction of samples")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish(fig, axes[0][:len(metrics)], path, title, 7)
 
 
 def plot_throughput_vs_rate(points: dict[str, list[tuple[float, float, float]]], path: str | Path,
@@ -290,12 +295,7 @@ def plot_throughput_vs_rate(points: dict[str, list[tuple[float, float, float]]],
     ax2.set_ylabel("TTFT p50 (ms)")
     for ax in (ax1, ax2):
         ax.set_xlabel("request rate (req/s, Poisson)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish(fig, (ax1, ax2), path, title, 8)
 
 
 def plot_memory_timeline(series: dict[str, dict[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
@@ -315,9 +315,4 @@ def plot_memory_timeline(series: dict[str, dict[str, Sequence[float]]], path: st
                 label=f"{label} mapped")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel(f"KV memory ({unit})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish(fig, [ax], path, title, 7, figure_title=False)

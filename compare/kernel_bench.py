@@ -368,15 +368,6 @@ class Bench:
         self.release()
 
     # ---------------------------------------------------------------------------------- tuning
-    def _tuned_ms(self, point, variant: str) -> float | None:
-        rows: list = []
-        saved, self.only = self.only, {variant}
-        try:
-            point(rows)
-        finally:
-            self.only = saved
-        return rows[0].get("ms") if rows else None
-
     def tune(self, batch: int, ctx: int, prefill_ctx: int, split_point: tuple[int, int]) -> dict:
         """Pick one decode (block_n, warps, stages) and one prefill tile config for both layouts by the
         sum of paged (block 16) and contiguous (megacache) times; then the split-K waves at a small-batch

@@ -199,9 +199,6 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return self.num_pending_forks == 0 and all(s.is_finished for s in self.seqs)
 
-    def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
-
     def to_output(self) -> RequestOutput:
         """Snapshot for the caller: ``n`` completions by index (not yet forked ones empty)."""
         by_index = {s.index: s.completion_output() for s in self.seqs}

@@ -57,10 +57,6 @@ class Slot:
     def is_free(self) -> bool:
         return self.seq_id is None
 
-    @property
-    def num_kept_units(self) -> int:
-        return sum(1 for u in self.units if u >= self.claimed)
-
     def page(self, unit: int, res: int) -> int | None:
         pages = self.units.get(unit)
         return None if pages is None else pages[res]
@@ -240,10 +236,6 @@ class SlotMapper:
         return page is None or self.pool.refcount(page) > 1
 
     # ------------------------------------------------------------------ capacity
-    @property
-    def num_reclaimable(self) -> int:
-        return len(self._reclaimable)
-
     def available_pages(self) -> int:
         """Pages an operation could obtain: pool pages + reclaimable kept pages."""
         return self.pool.num_available + len(self._reclaimable)

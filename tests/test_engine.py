@@ -325,6 +325,51 @@ def test_prefix_caching_disabled(tiny, backend):
         assert run_all(engine)[rid].num_cached_tokens == 0
 
 
+def test_cache_salt_isolates_prefix_cache(tiny, backend):
+    """Issue 9: a request's ``cache_salt`` reaches the KV cache's ``extra_key``, so tenants with
+    different salts (or salted vs unsalted) never share a cached prefix; the same salt does."""
+    prompt = random_prompts(len(tiny["tokenizer"]), [64], seed=13)[0]
+    ref = hf_greedy(tiny["hf"], prompt, 4)
+    engine = make_engine(tiny, backend)
+
+    def cached(rid, salt):
+        engine.add_request(rid, None, greedy(4), prompt_token_ids=prompt, cache_salt=salt)
+        out = run_all(engine)[rid]
+        assert out.outputs[0].token_ids == ref
+        return out.num_cached_tokens
+
+    assert cached("a1", "tenant-a") == 0
+    assert cached("b1", "tenant-b") == 0          # another salt: no hit
+    assert cached("a2", "tenant-a") > 0           # same salt: hit
+    assert cached("n1", None) == 0                # no salt vs salted: no hit
+    assert cached("n2", None) > 0
+    engine.kv_cache.check_integrity()
+    for bad in ("", 5, b"x", ["a"]):
+        with pytest.raises(ValueError, match="cache_salt"):
+            engine.add_request("bad", None, greedy(4), prompt_token_ids=prompt, cache_salt=bad)
+    assert engine.num_unfinished_requests() == 0
+
+
+def test_offline_llm_prompt_dicts_take_cache_salt(tiny, backend):
+    from vmkv import LLM
+
+    opts = dict(BACKENDS[backend])
+    kv_backend = opts.pop("kv_backend")
+    llm = LLM(tiny["path"], kv_backend=kv_backend, device="cpu", max_model_len=128,
+              memory_bytes=512 * BYTES_PER_TOKEN, **opts)
+    ids = random_prompts(len(tiny["tokenizer"]), [48], seed=14)[0]
+    text = "The capital of France is Paris. The capital of Italy is Rome. " * 2
+    p = greedy(2)
+    for prompt in ({"prompt_token_ids": ids}, {"prompt": text}):
+        first = llm.generate({**prompt, "cache_salt": "x"}, p, use_tqdm=False)[0]
+        other = llm.generate({**prompt, "cache_salt": "y"}, p, use_tqdm=False)[0]
+        same = llm.generate({**prompt, "cache_salt": "x"}, p, use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
+        assert same.num_cached_tokens > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": 3}, p, use_tqdm=False)
+
+
 # ---------------------------------------------------------------------- validation, stats, metrics
 def test_request_validation(tiny, backend):
     engine = make_engine(tiny, backend, max_model_len=32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Union
 
-from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.llm_engine import LLMEngine, check_cache_salt
 from vmkv.engine.outputs import CompletionOutput, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
@@ -59,8 +59,10 @@ class LLM:
         """Generate completions for one or more prompts, returned in prompt order.
 
         Args:
-            prompts: a string, ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``), or
-                a list of them.
+            prompts: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (optionally
+                with ``"prompt"``), or a list of them (vLLM's TextPrompt / TokensPrompt).  A dict
+                may carry ``"cache_salt": str``: prefix-cache isolation, see
+                :meth:`LLMEngine.add_request`.
             params: one :class:`SamplingParams` for all, a list with one per prompt, or ``None``
                 for the defaults.
             use_tqdm: show a progress bar of finished requests.
@@ -80,9 +82,9 @@ class LLM:
         parsed = [self._parse_prompt(prompt) for prompt in prompts]
         request_ids: list[str] = []
         try:
-            for (text, token_ids), p in zip(parsed, params_list):
+            for (text, token_ids, salt), p in zip(parsed, params_list):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids, cache_salt=salt)
                 request_ids.append(rid)
         except BaseException:
             for rid in request_ids:  # a bad prompt rejects the whole call: nothing stays queued
@@ -120,14 +122,17 @@ class LLM:
         return params
 
     @staticmethod
-    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None, str | None]:
+        """``(text, token_ids, cache_salt)`` of one prompt."""
         if isinstance(prompt, str):
-            return prompt, None
+            return prompt, None, None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            check_cache_salt(salt)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
             if "prompt" in prompt:
-                return prompt["prompt"], None
+                return prompt["prompt"], None, salt
         raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids' or 'prompt', got {prompt!r}")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

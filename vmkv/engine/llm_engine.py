@@ -29,7 +29,7 @@ from vmkv.engine.sequence import PromptTooLongError, Sequence, SequenceGroup, Se
 from vmkv.kvcache import create_kv_cache
 from vmkv.model.loader import resolve_device, resolve_dtype
 
-__all__ = ["LLMEngine", "PromptTooLongError"]
+__all__ = ["LLMEngine", "PromptTooLongError", "check_cache_salt"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
+                    *, cache_salt: str | None = None) -> None:
         """Queue a request.
 
         Args:
@@ -173,13 +174,17 @@ class LLMEngine:
                 ``prompt_token_ids`` is given (the ids win when both are).
             params: sampling parameters (validated again here).
             arrival_time: ``time.perf_counter()`` seconds; default now.
+            cache_salt: a non-empty string mixed into the prefix-cache key (vLLM's ``cache_salt``):
+                the request reuses cached prefixes only of requests with the same salt, so
+                tenants with different salts never share KV.  ``None``: no salt.
         Raises:
             PromptTooLongError: the prompt has ``>= max_model_len`` tokens.
             ValueError: empty prompt, duplicate id, token ids outside the vocabulary, stop
-                strings without a tokenizer.
+                strings without a tokenizer, a ``cache_salt`` that is not a non-empty str.
         """
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        check_cache_salt(cache_salt)
         params.validate()
         if prompt_token_ids is None:
             if prompt is None or prompt == "":
@@ -201,7 +206,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         group = SequenceGroup(request_id, prompt, prompt_token_ids, params, self.tokenizer,
                               time.perf_counter() if arrival_time is None else arrival_time,
-                              self.device)
+                              self.device, cache_salt=cache_salt)
         group.seqs.append(Sequence(self._new_seq_id(), group, 0))
         self._groups[request_id] = group
         self.scheduler.add(group)
@@ -383,6 +388,12 @@ class LLMEngine:
     def close(self) -> None:
         """Release the KV cache's memory (the engine is unusable afterwards)."""
         self.kv_cache.close()
+
+
+def check_cache_salt(cache_salt: Any) -> None:
+    """Raise ``ValueError`` unless ``cache_salt`` is ``None`` or a non-empty ``str``."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
 
 
 def _token_ids(ids: Any) -> list[int]:

@@ -90,8 +90,9 @@ class TimedAllocator:
         finally:
             self.time_s += time.perf_counter() - t0
 
-    def allocate(self, seq_id: int, num_tokens: int, token_ids: Seq[int] | None) -> int:
-        return self._timed(self.kv_cache.allocate, seq_id, num_tokens, token_ids)
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Seq[int] | None,
+                 extra_key: str | None = None) -> int:
+        return self._timed(self.kv_cache.allocate, seq_id, num_tokens, token_ids, extra_key)
 
     def extend(self, seq_id: int, num_tokens: int) -> None:
         self._timed(self.kv_cache.extend, seq_id, num_tokens)
@@ -249,7 +250,7 @@ class Scheduler:
             num_tokens = seq.num_tokens
             token_ids = seq.all_token_ids() if self.enable_prefix_caching else None
             try:
-                num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids)
+                num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids, group.cache_salt)
             except KVCacheFullError as e:
                 if not self.running and not out.scheduled:
                     logger.warning("request %s can never fit in the KV cache (%s); finishing it "

@@ -168,11 +168,16 @@ class SequenceGroup:
         tokenizer: for detokenization (``None``: no text).
         arrival_time: ``time.perf_counter()`` seconds.
         device: where per-request ``torch.Generator``s live (the logits' device).
+        cache_salt: mixed into the prefix-cache key of every unit of this request (the KV cache's
+            ``extra_key``): only requests with the same salt share cached prefixes; ``None``
+            shares with other unsalted requests only.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer, arrival_time: float, device: torch.device) -> None:
+                 params: SamplingParams, tokenizer, arrival_time: float, device: torch.device,
+                 cache_salt: str | None = None) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

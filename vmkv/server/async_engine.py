@@ -192,6 +192,7 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None = None,
         *,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
         prepare: Callable[["LLMEngine"], tuple[str | None, list[int] | None, "SamplingParams"]] | None = None,
     ) -> RequestStream:
         """Add a request to the engine and return its stream.
@@ -199,6 +200,7 @@ class AsyncEngine:
         Either give ``params`` (and ``prompt`` and/or ``prompt_token_ids``), or ``prepare``: a callable run
         on the engine thread right before ``engine.add_request`` that returns ``(prompt,
         prompt_token_ids, params)`` (use it to tokenize or apply a chat template without a second hop).
+        ``cache_salt`` is passed to ``engine.add_request`` (prefix-cache isolation between tenants).
 
         Raises:
             ValueError (incl. PromptTooLongError) from ``prepare`` or ``engine.add_request``; nothing is
@@ -215,7 +217,8 @@ class AsyncEngine:
                 p, ids, sp = prompt, prompt_token_ids, params
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running; use a unique id")
-            self.engine.add_request(request_id, p, sp, prompt_token_ids=ids, arrival_time=arrival_time)
+            self.engine.add_request(request_id, p, sp, prompt_token_ids=ids, arrival_time=arrival_time,
+                                    cache_salt=cache_salt)
             self._streams[request_id] = stream
 
         fut = self._submit(_add)

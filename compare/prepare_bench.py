@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from vmkv import KVCacheSpec, create_kv_cache
+from vmkv.kvcache import KVCacheSpec, create_kv_cache
 from vmkv.kvcache.base import StepSeq
 
 

@@ -125,11 +125,46 @@ def test_sample_checks_row_count():
     ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop strings"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    # upper bounds: every integer must fit the torch dtype it ends up in (issue 9: top_k=2**63
+    # killed the engine thread); the message names the field, the range and the value
+    ({"top_k": 2 ** 63}, "top_k must be -1 or 0 (disabled) or an int in [1, 2147483647], got 9223372036854775808"),
+    ({"top_k": 2 ** 31}, "top_k"),
+    ({"seed": 2 ** 63}, "seed must be None or an int in [0, 9223372036854775807], got 9223372036854775808"),
+    ({"n": 2 ** 31}, "n must be an int in [1, 2147483647]"),
+    ({"max_tokens": 2 ** 31}, "max_tokens must be None or an int in [1, 2147483647]"),
+    ({"stop_token_ids": [2 ** 63]}, "stop_token_ids must be ints in [0, 9223372036854775807]"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be None or a list"),
+    ({"stop": 5}, "stop must be None, a str or a list"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"n": True}, "n must be"),
 ])
 def test_sampling_params_validation(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_sampling_params_bounds_are_accepted():
+    p = SamplingParams(top_k=2 ** 31 - 1, seed=2 ** 63 - 1, n=1, max_tokens=2 ** 31 - 1,
+                       stop_token_ids=(2 ** 63 - 1,), stop=("a", "b"))
+    assert p.stop_token_ids == [2 ** 63 - 1] and p.stop == ["a", "b"]
+
+
+def test_top_k_beyond_the_vocabulary_is_clamped():
+    """A k at or above the vocabulary keeps every token; beyond int64 it must not reach torch."""
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    probs = Sampler().probabilities(logits, [SamplingRow(top_k=2 ** 63), SamplingRow(top_k=11),
+                                             SamplingRow(top_k=0)])
+    torch.testing.assert_close(probs, logits.softmax(-1))
+    mixed = Sampler().probabilities(logits, [SamplingRow(top_k=2 ** 63), SamplingRow(top_k=2),
+                                             SamplingRow(temperature=0.0, top_k=2 ** 70)])
+    torch.testing.assert_close(mixed[0], logits[0].softmax(-1))
+    assert int((mixed[1] > 0).sum()) == 2
+    g = lambda: torch.Generator().manual_seed(5)   # noqa: E731
+    assert Sampler().sample(logits, [SamplingRow(top_k=2 ** 63, generator=g())] * 1 + [SamplingRow()] * 2) \
+        [:1] == Sampler().sample(logits, [SamplingRow(top_k=0, generator=g())] + [SamplingRow()] * 2)[:1]
 
 
 def test_sampling_params_normalization():

@@ -23,7 +23,8 @@ class SamplingRow:
 
     Args:
         temperature: 0 (or below 1e-5) means greedy.
-        top_k: keep the k largest logits (ties at the k-th kept); 0 disables.
+        top_k: keep the k largest logits (ties at the k-th kept); 0 disables; any k at or above
+            the vocabulary size keeps every logit (clamped, never an error).
         top_p: nucleus mass in (0, 1]; 1 disables.
         generator: this row's own generator (seeded request), or ``None`` for the shared one.
     """
@@ -98,8 +99,12 @@ class Sampler:
         temps = torch.tensor([1.0 if r.is_greedy else r.temperature for r in rows],
                              dtype=torch.float32, device=dev)
         logits = logits / temps.unsqueeze(1)
-        if any(r.top_k > 0 and not r.is_greedy for r in rows):
-            k = torch.tensor([0 if r.is_greedy else r.top_k for r in rows], dtype=torch.int64, device=dev)
+        vocab = logits.shape[-1]
+        if any(0 < r.top_k < vocab and not r.is_greedy for r in rows):
+            # clamped on the host: a k beyond the vocabulary keeps every token (and 2**63 would
+            # not even fit the int64 tensor)
+            k = torch.tensor([0 if r.is_greedy or r.top_k >= vocab else max(r.top_k, 0) for r in rows],
+                             dtype=torch.int64, device=dev)
             logits = apply_top_k(logits, k)
         if any(r.top_p < 1.0 and not r.is_greedy for r in rows):
             p = torch.tensor([1.0 if r.is_greedy else r.top_p for r in rows], dtype=torch.float32,

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams", "GREEDY_EPS"]
+__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_INT32", "MAX_INT64"]
 
 #: temperatures below this are treated as greedy (argmax)
 GREEDY_EPS = 1e-5
+#: largest int32 / int64: upper bounds of integer parameters (see :meth:`SamplingParams.validate`)
+MAX_INT32 = 2 ** 31 - 1
+MAX_INT64 = 2 ** 63 - 1
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_iterable(x: object) -> bool:
+    return not isinstance(x, (str, bytes)) and hasattr(x, "__iter__")
+
+
+def _check_int(name: str, value: object, low: int, high: int, prefix: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is an int in ``[low, high]`` (the message names both)."""
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be {prefix}an int in [{low}, {high}], got {value!r}")
 
 
 @dataclass
@@ -19,16 +32,18 @@ class SamplingParams:
     """How to pick the next token and when to stop.
 
     Args:
-        n: completions per prompt (>= 1); they share the prompt's KV through ``fork``.
+        n: completions per prompt, in [1, 2**31 - 1] (and at most the engine's ``max_num_seqs``);
+            they share the prompt's KV through ``fork``.
         temperature: in [0, 2]; 0 is greedy (argmax).
         top_p: nucleus sampling, in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens (ties at the k-th value kept); -1 (or 0) disables it.
-        seed: seeds this request's own ``torch.Generator`` so its samples do not depend on the
-            other requests in the batch; ``None`` uses the engine's shared generator.
-        max_tokens: output tokens at most (>= 1); ``None``: until ``max_model_len``.
+        top_k: keep the k most likely tokens (ties at the k-th value kept), in [1, 2**31 - 1] (a k
+            above the vocabulary keeps every token); -1 (or 0) disables it.
+        seed: in [0, 2**63 - 1]; seeds this request's own ``torch.Generator`` so its samples do
+            not depend on the other requests in the batch; ``None`` uses the engine's shared one.
+        max_tokens: output tokens at most, in [1, 2**31 - 1]; ``None``: until ``max_model_len``.
         stop: stop string(s); the output text ends before the first occurrence
             (``finish_reason="stop"``, ``stop_reason`` = the string).
-        stop_token_ids: token ids that end the output (``stop_reason`` = the id).
+        stop_token_ids: token ids in [0, 2**63 - 1] that end the output (``stop_reason`` = the id).
         ignore_eos: keep generating after the model's EOS token(s).
         skip_special_tokens: leave special tokens out of the output text.
     Raises:
@@ -49,34 +64,41 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        elif self.stop is not None:
+        elif _is_iterable(self.stop):
             self.stop = list(self.stop)
-        if self.stop_token_ids is not None:
+        if _is_iterable(self.stop_token_ids):
             self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
-        """Check every parameter; raises ``ValueError`` naming the first bad one."""
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        """Check every parameter; raises ``ValueError`` naming the first bad one, its value and the
+        allowed range.  Integer bounds keep every value inside the torch dtype it ends up in
+        (``top_k`` and ``n`` int32, ``seed`` and token ids int64), so no request can overflow a
+        tensor constructor in the engine's step."""
+        _check_int("n", self.n, 1, MAX_INT32)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {t!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
-            raise ValueError(f"top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_INT32):
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or an int in [1, {MAX_INT32}], "
+                             f"got {self.top_k!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_INT64, "None or ")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, MAX_INT32, "None or ")
+        if self.stop is not None and not isinstance(self.stop, list):
+            raise ValueError(f"stop must be None, a str or a list of str, got {self.stop!r}")
         for s in self.stop or ():
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be None or a list of ints, got {self.stop_token_ids!r}")
         for tid in self.stop_token_ids or ():
-            if not _is_int(tid) or tid < 0:
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {tid!r}")
+            if not _is_int(tid) or not 0 <= tid <= MAX_INT64:
+                raise ValueError(f"stop_token_ids must be ints in [0, {MAX_INT64}], got {tid!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):

@@ -87,6 +87,24 @@ def test_no_chunking_waits_for_budget(backend):
     assert shares(step(sched)) == [("a", 10, 1), ("b", 0, 10)]
 
 
+def test_prompt_that_does_not_fit_the_budget_is_not_allocated(backend):
+    """Issue 9: without chunked prefill a waiting prompt that does not fit the step's remaining
+    budget used to be allocated, freed and retried every step, each attempt counted as a prefix
+    lookup.  Now it is not allocated until it fits: one lookup per admission."""
+    sched = make(backend, budget=32, chunked=False, max_model_len=32, max_num_seqs=16)
+    shorts = [request(sched, [10 + i, 11 + i], name=f"s{i}") for i in range(12)]
+    long = request(sched, list(range(100, 124)), name="long")
+    kv = sched.alloc.kv_cache
+    for _ in range(4):                                  # 12 decodes leave 20 < 24 tokens of budget
+        out = step(sched)
+        assert "long" not in [s[0] for s in shares(out)]
+        assert long.parent.status is SequenceStatus.WAITING and kv.usage().num_seqs == 12
+    for g in shorts[:6]:
+        sched.finish(g.parent)
+    assert ("long", 0, 24) in shares(step(sched))
+    assert kv.usage().prefix_query_tokens == 12 * 2 + 24
+
+
 def test_max_num_seqs_limits_admission(backend):
     sched = make(backend, max_num_seqs=2)
     for i in range(3):

@@ -4,8 +4,22 @@ The engine knows only the :class:`~vmkv.kvcache.KVCache` interface; switching
 ``kv_backend="paged"`` to ``"vmem"`` changes nothing else.  A step is three lines::
 
     sched = self.scheduler.schedule()        # who runs, how many tokens; KV backed
-    sampled = self.runner.execute(sched)     # tensors, model forward, sampling
-    return self._update(sched, sampled)      # append tokens, stop checks, fork, free, outputs
+    result = self._execute(sched)            # tensors, model forward, sampling
+    return self._update(sched, result)       # append tokens, stop checks, fork, free, outputs
+
+Failure isolation ("a bad request is that request's failure, never the server's"):
+
+- an exception in a per-request stage fails that request only: admission and KV backing
+  (``SchedulerOutput.failed``), sampling (``StepResult.failed``), detokenization, stop checks
+  and fork (caught per request in :meth:`_update`);
+- an exception in the batched ``prepare`` / forward fails the requests of that step's batch;
+- an unexpected exception anywhere else in :meth:`step` (an engine bug that cannot be
+  attributed) fails every unfinished request, which leaves the scheduler empty and consistent;
+- a failed request is finished at once: its KV is freed, ``RequestOutput.error`` says what
+  failed, unfinished completions get ``finish_reason="error"``; the engine serves the rest;
+- only a fatal error (:func:`vmkv.engine.errors.is_fatal_error`: a sticky CUDA error that
+  poisons the context, or a ``BaseException`` such as ``KeyboardInterrupt``) propagates out of
+  :meth:`step`; the engine is unusable afterwards.
 
 Not thread-safe: one thread drives it (the server runs it on a background thread).
 """
@@ -20,8 +34,9 @@ from typing import Any
 import torch
 
 from vmkv.engine.config import DEFAULT_CPU_KV_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from vmkv.engine.errors import check_device, is_fatal_error
 from vmkv.engine.outputs import EngineStats, RequestOutput
-from vmkv.engine.runner import ModelRunner
+from vmkv.engine.runner import ModelRunner, StepResult
 from vmkv.engine.sampler import Sampler
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import Scheduler, SchedulerOutput, TimedAllocator
@@ -84,6 +99,7 @@ class LLMEngine:
         self._num_prompt_tokens_total = 0
         self._num_generation_tokens_total = 0
         self._num_finished_total = 0
+        self._num_failed_total = 0
         logger.info("engine ready: model %s on %s (%s)", self.model_name, self.device, self.dtype)
 
     @classmethod
@@ -225,7 +241,7 @@ class LLMEngine:
         group.num_pending_forks = 0
         for seq in group.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
+                self.scheduler.drop(seq)        # never raises for a free that fails (logged)
                 seq.finish_reason = "abort"
         self._finish_group(group, time.perf_counter())
         self._finished_unreported.append(group)
@@ -239,19 +255,57 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration; outputs of every request that produced tokens or finished."""
+        """One scheduler iteration; outputs of every request that produced tokens or finished
+        (failed requests included: see the module docstring).
+
+        Raises:
+            only fatal errors (:func:`vmkv.engine.errors.is_fatal_error`).
+        """
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched) if not sched.is_empty else {}
-        outputs = self._update(sched, sampled)
+        try:
+            sched = self.scheduler.schedule()
+            result = self._execute(sched)
+            outputs = self._update(sched, result)
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            logger.exception("engine step failed outside any request's stage; failing every "
+                             "unfinished request")
+            outputs = self._fail_all(exc)
         self._last_step_time_s = time.perf_counter() - t0
         self._step_time_s_total += self._last_step_time_s
         return outputs
 
-    def _update(self, sched: SchedulerOutput, sampled: dict[int, list[int]]) -> list[RequestOutput]:
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        """Fail the requests the scheduler could not back, run the rest; a failed forward fails
+        the requests of the batch."""
+        for seq, exc in sched.failed:
+            self._fail_group(seq.group, "KV allocation", exc)
+        if sched.failed:
+            sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
+        if sched.is_empty:
+            return StepResult()
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            try:
+                check_device(self.device)       # an asynchronous kernel error surfaces here
+            except Exception as sync_exc:
+                raise sync_exc from exc
+            logger.exception("model forward failed; failing the %d request(s) of the batch",
+                             len({s.seq.group.request_id for s in sched.scheduled}))
+            for s in sched.scheduled:
+                self._fail_group(s.seq.group, "the model forward of its batch", exc)
+            return StepResult()
+        for seq, exc in result.failed:
+            self._fail_group(seq.group, "sampling", exc)
+        return result
+
+    def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.perf_counter()
-        touched: dict[str, SequenceGroup] = {g.request_id: g for g in self._finished_unreported}
-        self._finished_unreported = []
+        touched: dict[str, SequenceGroup] = {}
         for group in sched.ignored:
             group.num_pending_forks = 0
             for seq in group.seqs:
@@ -264,26 +318,76 @@ class LLMEngine:
             self._num_steps += 1
             self._max_concurrent_seqs = max(self._max_concurrent_seqs, len(self.scheduler.running))
         for s in sched.scheduled:
-            seq, group = s.seq, s.seq.group
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
-            if s.is_prefill:
-                self._num_prompt_tokens_total += s.num_new_tokens
-            tokens = sampled.get(seq.seq_id)
-            if not tokens:
-                continue
-            if seq.index == 0 and group.num_pending_forks:
-                self._fork(seq, tokens[1:])
-            self._append(seq, tokens[0])
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            group.metrics.last_token_time = now
-            if not group.metrics.token_times or group.metrics.token_times[-1] != now:
-                group.metrics.token_times.append(now)
-            touched[group.request_id] = group
-            if group.is_finished:
-                self._finish_group(group, now)
+            group = s.seq.group
+            if group.error is not None:
+                continue                                # failed earlier in this step
+            try:
+                if self._update_seq(s, result.sampled.get(s.seq.seq_id), now):
+                    touched[group.request_id] = group
+            except Exception as exc:
+                if is_fatal_error(exc):
+                    raise
+                self._fail_group(group, "output processing (detokenization, stop checks, fork)", exc)
+        for group in self._finished_unreported:         # aborted between steps or failed in this one
+            touched.setdefault(group.request_id, group)
+        self._finished_unreported = []
         return [g.to_output() for g in touched.values()]
+
+    def _update_seq(self, s, tokens: list[int] | None, now: float) -> bool:
+        """Apply one scheduled sequence's result; returns whether it produced tokens."""
+        seq, group = s.seq, s.seq.group
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = now
+        if s.is_prefill:
+            self._num_prompt_tokens_total += s.num_new_tokens
+        if not tokens:
+            return False
+        if seq.index == 0 and group.num_pending_forks:
+            self._fork(seq, tokens[1:])
+        self._append(seq, tokens[0])
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        group.metrics.last_token_time = now
+        if not group.metrics.token_times or group.metrics.token_times[-1] != now:
+            group.metrics.token_times.append(now)
+        if group.is_finished:
+            self._finish_group(group, now)
+        return True
+
+    def _fail_group(self, group: SequenceGroup, stage: str, exc: BaseException) -> None:
+        """Fail ``group`` because ``exc`` was raised in ``stage``: drop every sequence (KV freed),
+        mark unfinished completions ``"error"``; reported by this step (``RequestOutput.error``)."""
+        if group.error is not None or group.metrics.finished_time is not None:
+            return
+        group.error = f"request {group.request_id} failed in {stage}: {type(exc).__name__}: {exc}"
+        logger.warning("%s", group.error)
+        group.num_pending_forks = 0
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.drop(seq)
+                seq.finish_reason = "error"
+            elif seq.finish_reason is None:             # dropped by the scheduler
+                seq.finish_reason = "error"
+        self._num_failed_total += 1
+        self._finish_group(group, time.perf_counter())
+        self._finished_unreported.append(group)
+
+    def _fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Last resort for an exception no request can be blamed for: fail every unfinished
+        request, so the scheduler is empty and consistent again, and report them all."""
+        for group in list(self._groups.values()):
+            try:
+                self._fail_group(group, "an engine step that failed outside any request's stage", exc)
+            except Exception as drop_exc:
+                if is_fatal_error(drop_exc):
+                    raise
+                logger.exception("could not fail request %s cleanly", group.request_id)
+                self._groups.pop(group.request_id, None)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        outputs = [g.to_output() for g in self._finished_unreported]
+        self._finished_unreported = []
+        return outputs
 
     def _append(self, seq: Sequence, token: int) -> None:
         self._num_generation_tokens_total += 1
@@ -337,6 +441,7 @@ class LLMEngine:
             num_generation_tokens_total=self._num_generation_tokens_total,
             num_cached_tokens_total=self.scheduler.num_cached_tokens_total,
             num_finished_total=self._num_finished_total,
+            num_failed_total=self._num_failed_total,
             prefetch_time_s_total=self.runner.prefetch_time_s_total,
         )
 

@@ -23,7 +23,8 @@ class CompletionOutput:
         token_ids: output token ids so far (an EOS or stop token id that ended the output is
             included; its text is not).
         finish_reason: ``None`` while running; ``"stop"`` (EOS, stop string or stop token id),
-            ``"length"`` (``max_tokens`` or ``max_model_len``) or ``"abort"``.
+            ``"length"`` (``max_tokens`` or ``max_model_len``), ``"abort"``, or ``"error"`` (an
+            exception while processing the request failed it: see ``RequestOutput.error``).
         stop_reason: the stop string or stop token id that ended the output, else ``None``.
     """
 
@@ -73,6 +74,12 @@ class RequestOutput:
         num_cached_tokens: prompt tokens found in the prefix cache at first admission (not
             recomputed).
         metrics: :class:`RequestMetrics`.
+        error: ``None``, or why the request failed: an exception while processing it (KV
+            allocation, sampling, detokenization, stop checks, fork) or in the forward of a batch
+            it was part of.  A failed request is finished, its KV freed, and every completion that
+            had not finished has ``finish_reason="error"``; the engine keeps serving the others.
+            (Over :class:`~vmkv.server.async_engine.AsyncEngine`, iterating the request's stream
+            raises :class:`~vmkv.engine.errors.RequestFailedError` instead.)
     """
 
     request_id: str
@@ -82,6 +89,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class EngineStats:
             prompt (including recomputation) and tokens sampled.
         num_cached_tokens_total: prompt tokens skipped thanks to the prefix cache.
         num_finished_total: requests finished (any reason).
+        num_failed_total: requests failed by an exception (``finish_reason="error"``).
     """
 
     num_running: int
@@ -126,3 +135,4 @@ class EngineStats:
     num_cached_tokens_total: int = 0
     num_finished_total: int = 0
     prefetch_time_s_total: float = 0.0
+    num_failed_total: int = 0

@@ -7,19 +7,46 @@ come back as ``float32 [num_seqs, vocab_size]``.  While the GPU computes them (t
 enqueued until sampling copies tokens to the host), ``kv_cache.prefetch`` backs the next positions
 of the sampling sequences, so the next step's ``extend`` finds them mapped (vAttention, Prabhu et
 al., ASPLOS'25, section 6.1: overlapping allocation with compute).
+
+Failure isolation: ``prepare`` and the forward are batch-wide, so an exception there propagates
+(the engine fails the step's batch).  Sampling is per request: when the batched ``sample`` raises,
+each request's rows are sampled alone and only the requests whose rows still raise fail
+(:attr:`StepResult.failed`).  A failing ``prefetch`` (a hint) is logged and ignored.  Fatal errors
+(:func:`vmkv.engine.errors.is_fatal_error`) always propagate.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from vmkv.engine.errors import is_fatal_error
 from vmkv.engine.sampler import Sampler, SamplingRow
 from vmkv.engine.scheduler import SchedulerOutput
+from vmkv.engine.sequence import Sequence
 from vmkv.kvcache.base import KVCache, StepSeq
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What a step computed.
+
+    Attributes:
+        sampled: ``seq_id -> sampled token ids``: one token, or ``n`` for a request's parent whose
+            prompt just finished and that still has ``n - 1`` completions to fork (row ``i`` is
+            sampled for completion ``i``).  Sequences in a partial prefill chunk are absent.
+        failed: ``(sequence, exception)`` for sequences whose sampling raised; absent from ``sampled``.
+    """
+
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -52,13 +79,11 @@ class ModelRunner:
         self.prefetch_time_s_total = 0.0
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[int, list[int]]:
+    def execute(self, sched: SchedulerOutput) -> StepResult:
         """Compute the scheduled tokens and sample where a sequence reached its last token.
 
-        Returns:
-            ``seq_id -> sampled token ids``: one token, or ``n`` for a request's parent whose
-            prompt just finished and that still has ``n - 1`` completions to fork (row ``i`` is
-            sampled for completion ``i``).  Sequences in a partial prefill chunk are absent.
+        Raises:
+            whatever ``prepare`` or the forward raise (batch-wide: nothing is sampled then).
         """
         batch: list[StepSeq] = []
         ids: list[int] = []
@@ -73,7 +98,7 @@ class ModelRunner:
         logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
         row_index: list[int] = []
         rows: list[SamplingRow] = []
-        owners: list[int] = []
+        owners: list[Sequence] = []
         for i, s in enumerate(sched.scheduled):
             if not s.samples:
                 continue
@@ -86,18 +111,56 @@ class ModelRunner:
                 row_index.append(i)
                 rows.append(SamplingRow(p.temperature, p.effective_top_k, p.top_p,
                                         group.generators[idx]))
-                owners.append(s.seq.seq_id)
+                owners.append(s.seq)
         if self.prefetch_tokens and owners:
             # the forward is enqueued, the host has not synchronized yet (sampling's .tolist()):
             # map the pages the next steps will need while the GPU runs
             t1 = time.perf_counter()
-            self.kv_cache.prefetch(list(dict.fromkeys(owners)), self.prefetch_tokens)
+            self._prefetch(list(dict.fromkeys(o.seq_id for o in owners)))
             self.prefetch_time_s_total += time.perf_counter() - t1
-        result: dict[int, list[int]] = {}
+        result = StepResult()
         if rows:
             sel = torch.tensor(row_index, dtype=torch.int64, device=logits.device)
-            tokens = self.sampler.sample(logits.index_select(0, sel), rows)
-            for seq_id, tok in zip(owners, tokens):
-                result.setdefault(seq_id, []).append(tok)
+            selected = logits.index_select(0, sel)
+            try:
+                tokens: list[int | None] = list(self.sampler.sample(selected, rows))
+            except Exception as exc:
+                if is_fatal_error(exc):
+                    raise
+                logger.warning("batched sampling failed (%r); sampling each request alone", exc)
+                tokens = self._sample_per_request(selected, rows, owners, result.failed)
+            for seq, tok in zip(owners, tokens):
+                if tok is not None:
+                    result.sampled.setdefault(seq.seq_id, []).append(tok)
         self.forward_time_s_total += time.perf_counter() - t0
         return result
+
+    def _prefetch(self, seq_ids: list[int]) -> None:
+        try:
+            self.kv_cache.prefetch(seq_ids, self.prefetch_tokens)
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            logger.warning("kv_cache.prefetch failed (a hint; ignored): %r", exc)
+
+    def _sample_per_request(self, logits: torch.Tensor, rows: list[SamplingRow], owners: list[Sequence],
+                            failed: list[tuple[Sequence, Exception]]) -> list[int | None]:
+        """Sample each sequence's rows of ``logits`` (``float32 [num_rows, vocab_size]``) alone;
+        a sequence whose sampling raises goes to ``failed`` and gets ``None`` tokens."""
+        tokens: list[int | None] = [None] * len(rows)
+        by_seq: dict[int, list[int]] = {}
+        for i, seq in enumerate(owners):
+            by_seq.setdefault(seq.seq_id, []).append(i)
+        for idx in by_seq.values():
+            seq = owners[idx[0]]
+            try:
+                sel = torch.tensor(idx, dtype=torch.int64, device=logits.device)
+                got = self.sampler.sample(logits.index_select(0, sel), [rows[i] for i in idx])
+            except Exception as exc:
+                if is_fatal_error(exc):
+                    raise
+                failed.append((seq, exc))
+                continue
+            for i, tok in zip(idx, got):
+                tokens[i] = tok
+        return tokens

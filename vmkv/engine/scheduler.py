@@ -12,7 +12,14 @@ SOSP'23, section 4.5) gets a token budget of ``max_num_batched_tokens``:
 3. waiting sequences in FIFO order (preempted ones first), while the budget, ``max_num_seqs`` and
    the KV capacity allow (no admission in a step that preempted).  Admission allocates the whole
    prompt with its token ids, so the prefix cache reports cached leading tokens that are not
-   recomputed (``num_computed_tokens`` starts at the hit count).
+   recomputed (``num_computed_tokens`` starts at the hit count).  Without chunked prefill a prompt
+   is allocated only when all its tokens fit the step's remaining budget: nothing is allocated that
+   the step cannot run, so each admission is one prefix-cache lookup (no allocate/free retries).
+
+Failure isolation: a KV call (allocate, extend, fork, free) that raises anything but
+``KVCacheFullError`` fails only the sequence it was made for: the scheduler drops it (frees what it
+holds, best effort) and reports it in ``SchedulerOutput.failed``; the engine then fails its request.
+A fatal error (:func:`vmkv.engine.errors.is_fatal_error`) propagates.
 
 The scheduler deals in sequence ids and counts only; the runner turns them into tensors.
 """
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 from vmkv.engine.config import SchedulerConfig
+from vmkv.engine.errors import is_fatal_error
 from vmkv.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vmkv.kvcache.base import KVCache, KVCacheFullError
 
@@ -61,11 +69,14 @@ class SchedulerOutput:
         scheduled: decodes first, then prefill chunks (batch order of the step).
         preempted: sequences preempted while scheduling this step.
         ignored: requests that can never fit in the KV cache (finished with ``"length"``).
+        failed: ``(sequence, exception)`` for sequences whose KV call raised (not
+            ``KVCacheFullError``); already dropped from the queues (``FINISHED``), KV freed.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -106,6 +117,9 @@ class TimedAllocator:
     def seq_len(self, seq_id: int) -> int:
         return self.kv_cache.seq_len(seq_id)
 
+    def has_seq(self, seq_id: int) -> bool:
+        return self.kv_cache.has_seq(seq_id)
+
 
 class Scheduler:
     """Owns the waiting queue and the running list; decides every step's batch.
@@ -140,13 +154,46 @@ class Scheduler:
         return len(self.running) + pending
 
     def finish(self, seq: Sequence) -> None:
-        """Free a finished (or aborted) sequence's KV and drop it from the queues."""
-        if seq.status is SequenceStatus.RUNNING:
+        """Free a finished (or aborted) sequence's KV and drop it from the queues.  The queues are
+        updated first, so they stay consistent even when ``free`` raises."""
+        was_running = seq.status is SequenceStatus.RUNNING
+        if was_running:
             self.running.remove(seq)
-            self.alloc.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        if was_running:
+            self.alloc.free(seq.seq_id)
+
+    def drop(self, seq: Sequence) -> None:
+        """Take a failed sequence out of the scheduler whatever its state: out of the queues,
+        ``FINISHED``, and its KV freed if the cache holds any (even half-made by a call that
+        raised).  A ``free`` that raises is logged, not raised (the memory stays in use); a fatal
+        one propagates."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        try:
+            if self.alloc.has_seq(seq.seq_id):
+                self.alloc.free(seq.seq_id)
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            logger.exception("could not free the KV of failed seq %d (request %s); it stays allocated",
+                             seq.seq_id, seq.group.request_id)
+
+    def _fail(self, seq: Sequence, exc: Exception, out: SchedulerOutput) -> None:
+        """A KV call for ``seq`` raised ``exc`` (not KVCacheFullError): re-raise a fatal one, else
+        drop the sequence and report it in ``out.failed``."""
+        if is_fatal_error(exc):
+            raise exc
+        logger.error("KV call for seq %d of request %s failed: %r; failing the request",
+                     seq.seq_id, seq.group.request_id, exc)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.drop(seq)
+        out.failed.append((seq, exc))
 
     def add_forked(self, parent: Sequence, child: Sequence) -> bool:
         """Fork ``parent``'s KV into ``child`` and run it next to the parent.
@@ -173,8 +220,8 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
         self.alloc.free(seq.seq_id)
+        self.running.remove(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -234,10 +281,17 @@ class Scheduler:
                         budget += sched.num_new_tokens
                         del out.scheduled[i]
                         break
-                self._preempt(victim)
-                out.preempted.append(victim)
+                try:
+                    self._preempt(victim)
+                except Exception as exc:                    # noqa: BLE001 - the victim's failure
+                    self._fail(victim, exc, out)
+                else:
+                    out.preempted.append(victim)
                 if victim is seq:
                     return budget
+            except Exception as exc:                        # noqa: BLE001 - this sequence's failure
+                self._fail(seq, exc, out)
+                return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
@@ -248,6 +302,8 @@ class Scheduler:
             if self.num_reserved_seqs() + need_slots > self.config.max_num_seqs:
                 break
             num_tokens = seq.num_tokens
+            if not chunked and num_tokens > budget:
+                break       # the step cannot run it: do not allocate (nor count a prefix lookup)
             token_ids = seq.all_token_ids() if self.enable_prefix_caching else None
             try:
                 num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids, group.cache_salt)
@@ -259,10 +315,10 @@ class Scheduler:
                     out.ignored.append(group)
                     continue
                 break
+            except Exception as exc:                        # noqa: BLE001 - this sequence's failure
+                self._fail(seq, exc, out)
+                continue
             num_new = min(num_tokens - num_cached, budget)
-            if num_new < num_tokens - num_cached and not chunked:
-                self.alloc.free(seq.seq_id)
-                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached

@@ -186,6 +186,8 @@ class SequenceGroup:
         self.num_cached_tokens = 0
         self.admitted = False
         self.aborted = False
+        #: why the request failed (``RequestOutput.error``), else None
+        self.error: str | None = None
         self.seqs: list[Sequence] = []
         #: completions still to be created by fork once the parent's prompt is computed
         self.num_pending_forks = params.n - 1
@@ -207,7 +209,7 @@ class SequenceGroup:
     def to_output(self) -> RequestOutput:
         """Snapshot for the caller: ``n`` completions by index (not yet forked ones empty)."""
         by_index = {s.index: s.completion_output() for s in self.seqs}
-        missing = "abort" if self.aborted else None
+        missing = "error" if self.error is not None else "abort" if self.aborted else None
         outs = [by_index.get(i) or CompletionOutput(index=i, text="", token_ids=[],
                                                     finish_reason=missing)
                 for i in range(self.params.n)]
@@ -218,4 +220,4 @@ class SequenceGroup:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outs,
                              finished=self.is_finished, num_cached_tokens=self.num_cached_tokens,
-                             metrics=metrics)
+                             metrics=metrics, error=self.error)

@@ -12,6 +12,12 @@ Everything that touches the engine or its tokenizer runs on that thread (HF fast
 Aborts: when the consumer of a :class:`RequestStream` stops early (client disconnect, task cancelled,
 ``aclose()``), the stream submits ``engine.abort_request`` to the engine thread, which frees the
 request's KV before the next step.
+
+Failures: a request that failed in the engine (``RequestOutput.error`` set, see
+:mod:`vmkv.engine.llm_engine`) makes its stream raise :class:`RequestFailedError`; the engine and the
+other requests run on.  Only a fatal error (:func:`vmkv.engine.errors.is_fatal_error`: a CUDA error
+that poisons the context) stops the engine thread: every open stream raises :class:`EngineDeadError`,
+:attr:`AsyncEngine.error` holds the cause, and new requests are refused.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
+from vmkv.engine.errors import RequestFailedError, is_fatal_error
+
 if TYPE_CHECKING:  # the engine imports torch; keep this module importable without it
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.engine.outputs import RequestOutput
     from vmkv.engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineShutdownError"]
+__all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineShutdownError", "RequestFailedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +44,14 @@ T = TypeVar("T")
 
 #: sentinel put in a request's queue when the engine thread died or shut down
 _CLOSED = object()
+#: consecutive non-fatal exceptions out of ``engine.step()`` (an engine that cannot make progress)
+#: after which the engine thread stops as if the error were fatal
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineDeadError(RuntimeError):
-    """``engine.step()`` raised; the engine thread stopped and every open request failed."""
+    """``engine.step()`` raised a fatal error (or kept raising); the engine thread stopped and every
+    open request failed."""
 
 
 class EngineShutdownError(RuntimeError):
@@ -54,6 +66,9 @@ class RequestStream:
     early (``break``, cancellation, ``aclose()``) aborts the request on the engine.
 
     Raises (while iterating):
+        RequestFailedError: this request failed in the engine (``.message`` says where and why,
+            ``.output`` is its last :class:`RequestOutput`, ``finish_reason="error"``); the engine
+            and every other request are unaffected.
         EngineDeadError: the engine thread failed.
         EngineShutdownError: the engine was shut down before the request finished.
     """
@@ -86,6 +101,9 @@ class RequestStream:
                 if item is _CLOSED:
                     raise EngineShutdownError(f"engine shut down before request {self.request_id} finished")
                 if isinstance(item, BaseException):
+                    if isinstance(item, RequestFailedError):
+                        self.finished = True            # finished in the engine: nothing to abort
+                        self.last = item.output
                     raise item
                 self.last = item
                 self.finished = bool(item.finished)
@@ -292,10 +310,12 @@ class AsyncEngine:
             else:
                 stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream._put(out)
+                stream._put(RequestFailedError(out.request_id, out.error, out)
+                            if out.finished and getattr(out, "error", None) else out)
 
     def _run(self) -> None:
         logger.info("engine thread started")
+        num_failed_steps = 0
         try:
             while not self._stopping:
                 busy = self.engine.has_unfinished_requests()
@@ -303,7 +323,16 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:
+                        num_failed_steps += 1
+                        if is_fatal_error(exc) or num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                            raise
+                        self._fail_open_requests(exc)
+                        continue
+                    num_failed_steps = 0
+                    self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             logger.exception("engine thread failed; failing all open requests")
             with self._submit_lock:
@@ -329,6 +358,20 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 logger.exception("engine.close() failed")
         logger.info("engine thread stopped")
+
+    def _fail_open_requests(self, exc: Exception) -> None:
+        """``engine.step()`` raised a non-fatal error it did not attribute (``LLMEngine.step`` does
+        that itself; this covers other engines): fail and abort every open request, keep running."""
+        logger.error("engine step failed (%r); failing the %d open request(s)", exc, len(self._streams),
+                     exc_info=exc)
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s after a failed step failed", request_id)
+            stream._put(RequestFailedError(request_id, f"request {request_id} failed: engine step "
+                                                       f"raised {type(exc).__name__}: {exc}"))
+        self._streams.clear()
 
     def _fail_pending(self, err: BaseException) -> None:
         while True:

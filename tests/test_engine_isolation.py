@@ -275,6 +275,15 @@ def test_top_k_2_pow_63_is_rejected_and_never_reaches_the_engine(tiny, backend):
     assert final["big"].error is None and final["big"].outputs[0].token_ids == final["off"].outputs[0].token_ids
 
 
+def test_lone_surrogate_is_a_value_error_naming_the_field(tiny):
+    engine = make_engine(tiny, "paged")
+    with pytest.raises(ValueError, match=r"prompt contains a lone UTF-16 surrogate '\\ud800' at index 1"):
+        engine.add_request("r", "a\ud800b", greedy(2))
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content contains a lone UTF-16 surrogate"):
+        engine.apply_chat_template([{"role": "system", "content": "hi"}, {"role": "user", "content": "\udfff"}])
+    assert_no_leak(engine)
+
+
 # ---------------------------------------------------------------------- prefix lookups count once
 def test_waiting_prompt_is_looked_up_once(tiny, backend):
     """Chunked prefill off: a prompt that does not fit the step's remaining budget waits without

@@ -58,6 +58,10 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate completions for one or more prompts, returned in prompt order.
 
+        A request that failed while running (an exception in its processing, or in the forward of
+        a batch it was part of) comes back finished with ``error`` set and ``finish_reason="error"``;
+        the other prompts are unaffected.
+
         Args:
             prompts: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (optionally
                 with ``"prompt"``), or a list of them (vLLM's TextPrompt / TokensPrompt).  A dict

@@ -451,11 +451,15 @@ class LLMEngine:
 
         Raises:
             ValueError: empty or malformed messages (each needs string ``role`` and ``content``),
-                or a tokenizer without a chat template.
+                text with a lone UTF-16 surrogate (names the message), or a tokenizer without a
+                chat template.
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         messages = [_text_message(i, m) for i, m in enumerate(messages)]
+        for i, m in enumerate(messages):
+            _check_unicode(m["role"], f"messages[{i}].role")
+            _check_unicode(m["content"], f"messages[{i}].content")
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_name} has no chat template; send a plain prompt")
@@ -467,12 +471,16 @@ class LLMEngine:
         """Token ids of a text prompt (the tokenizer's special tokens included, e.g. BOS).
 
         Raises:
-            ValueError: the model has no tokenizer.
+            ValueError: the model has no tokenizer, or ``prompt`` is not a str of valid Unicode (a
+                lone UTF-16 surrogate such as ``"\\ud800"``).
             PromptTooLongError: the text is so long that it cannot fit ``max_model_len`` tokens
                 (decided from its length before tokenizing, see :meth:`_check_text_len`).
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+        _check_unicode(prompt, "prompt")
         self._check_text_len(len(prompt))
         return list(self.tokenizer.encode(prompt))
 
@@ -493,6 +501,16 @@ class LLMEngine:
     def close(self) -> None:
         """Release the KV cache's memory (the engine is unusable afterwards)."""
         self.kv_cache.close()
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """Raise ``ValueError`` naming ``field`` when ``text`` holds a lone UTF-16 surrogate (the
+    tokenizer would raise a TypeError or UnicodeEncodeError deep inside)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} contains a lone UTF-16 surrogate {text[e.start]!r} at index {e.start}; "
+                         "send valid Unicode text") from None
 
 
 def check_cache_salt(cache_salt: Any) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "EngineConfig", "CacheConfig", "SchedulerConfig", "EngineStats", "RequestMetrics",
-           "PromptTooLongError"]
+           "PromptTooLongError", "RequestFailedError"]
 
 _WHERE = {
     "LLM": "vmkv.engine.llm",
@@ -21,6 +21,7 @@ _WHERE = {
     "CacheConfig": "vmkv.engine.config",
     "SchedulerConfig": "vmkv.engine.config",
     "PromptTooLongError": "vmkv.engine.sequence",
+    "RequestFailedError": "vmkv.engine.errors",
 }
 
 

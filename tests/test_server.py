@@ -3,157 +3,38 @@
 A tiny random Llama (transformers ``save_pretrained``) with a word-level tokenizer and a ChatML chat
 template is written to a temp dir; the real app is served by uvicorn on 127.0.0.1 (a thread of this
 process, or ``python -m vmkv.cli serve`` for the CLI test) and driven with the official ``openai``
-client and raw ``httpx``.
+client and raw ``httpx`` (see ``server_helpers``).  The defects of the HTTP edge found by issue 9 have
+their regression tests in ``test_server_edge.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-
-MAX_MODEL_LEN = 128
-MAX_NUM_SEQS = 16
-SERVED = "tiny-llama"
-
-_WORDS = (
-    "the a of to and in is it you that he was for on are with as I his they be at one have this from or "
-    "had by hot word but what some we can out other were all there when up use your how said an each she "
-    "which do their time if will way about many then them write would like so these her long make thing "
-    "see him two has look more day could go come did number sound no most people my over know water than "
-    "call first who may down side been now find any new work part take get place made live where after "
-    "back little only round man year came show every good me give our under name very through just form "
-    "sentence great think say help low line differ turn cause much mean before move right boy old too same "
-    "tell does set three want air well also play small end put home read hand port large spell add even "
-    "land here must big high such follow act why ask men change went light kind off need house picture try "
-    "us again animal point mother world near build self earth father Paris France capital"
-).split()
-_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from server_helpers import (
+    CHAT,
+    CHAT_URL,
+    COMPLETIONS_URL,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    SERVED,
+    RunningServer,
+    make_tiny_model,
+    sse_events,
 )
 
 
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer random Llama (GQA 4/2 heads, vocab ~210) with tokenizer and chat template."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    special = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(special + _WORDS))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    fast.chat_template = _CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    """The real app on uvicorn in a background thread."""
-
-    def __init__(self, model_dir: Path, backend: str) -> None:
-        import uvicorn
-
-        from vmkv.engine.llm_engine import LLMEngine
-        from vmkv.server.app import build_app
-        from vmkv.server.async_engine import AsyncEngine
-
-        knobs = {"driver": "host"} if backend == "vmem" else {}
-        self.engine = LLMEngine.from_args(str(model_dir), kv_backend=backend, device="cpu", dtype="float32",
-                                          max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                                          memory_bytes=4 << 20, **knobs)
-        self.backend = backend
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        app = build_app(AsyncEngine(self.engine), SERVED)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        self.http = httpx.Client(base_url=self.base, timeout=30)  # one client: its SSL setup is slow
-
-    @contextlib.contextmanager
-    def slowed(self, step_delay_s: float):
-        """Make every engine step take ``step_delay_s`` longer (a slower model), so a request is
-        reliably still running when the client leaves."""
-        real_step = self.engine.step
-
-        def slow_step():
-            time.sleep(step_delay_s)
-            return real_step()
-
-        self.engine.step = slow_step
-        try:
-            yield
-        finally:
-            del self.engine.step
-
-    def stop(self) -> None:
-        self.http.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled samples of /metrics, plus labelled ones keyed by their full text name."""
-        text = self.http.get("/metrics").text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def wait_kv_idle(self, timeout_s: float = 15.0) -> dict[str, float]:
-        deadline = time.time() + timeout_s
-        while True:
-            m = self.metrics()
-            if m["vmkv_kv_used_tokens"] == 0 and m["vmkv_num_requests_running"] == 0 \
-                    and m["vmkv_num_requests_waiting"] == 0:
-                return m
-            assert time.time() < deadline, f"KV still in use: {m['vmkv_kv_used_tokens']} tokens"
-            time.sleep(0.05)
-
-    def assert_alive(self) -> None:
-        """The server still serves real work."""
-        r = self.client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hello"}],
-                                                max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module", params=["paged", "vmem"])
@@ -169,9 +50,6 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-CHAT = [{"role": "system", "content": "you are a good help"}, {"role": "user", "content": "what is the capital of France"}]
 
 
 def _chat_prompt_len(tokenizer) -> int:
@@ -319,7 +197,6 @@ def test_stop_strings(server):
 
 
 # ---------------------------------------------------------------------------- errors
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 _MSG = [{"role": "user", "content": "hello"}]
 ERROR_CASES = [
     # (id, url, raw body or JSON, status, param, code)
@@ -539,55 +416,14 @@ def test_32_concurrent_streams(server):
     assert m["vmkv_inter_token_latency_seconds_count"] >= 32 * 7
 
 
-# ---------------------------------------------------------------------------- the CLI
-@pytest.mark.slow
-def test_cli_serve_and_sigterm(tiny_model_dir):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--backend", "paged",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
-           "--memory-bytes", "2MiB", "--device", "cpu", "--served-model-name", SERVED, "--graceful-timeout", "1",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=3, extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 3
-        # SIGTERM while a long stream is running: the stream ends (finished, or cut after the graceful
-        # timeout), and the process exits cleanly
-        with httpx.stream("POST", base + CHAT_URL, timeout=30,
-                          json={"messages": CHAT, "max_tokens": 100, "ignore_eos": True, "stream": True}) as s:
-            lines = s.iter_lines()
-            assert next(lines).startswith("data: {")
-            proc.send_signal(signal.SIGTERM)
-            try:
-                for _ in lines:
-                    pass
-            except httpx.HTTPError:  # the server closed the connection after --graceful-timeout
-                pass
-        out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0, out
-        assert "listening on http://127.0.0.1" in out and "vmkv serve: stopped" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+# ---------------------------------------------------------------------------- engine failures
+FATAL = "CUDA error: an illegal memory access was encountered"
 
 
-def test_engine_failure_turns_into_503_and_unhealthy(tiny_model_dir):
-    """A step that raises kills the engine thread: the open stream gets an error event and [DONE],
-    /health and new requests answer 503 with an OpenAI error body, and the HTTP server stays up."""
+def test_fatal_engine_failure_turns_into_503_and_unhealthy(tiny_model_dir):
+    """A step that raises a context-poisoning CUDA error stops the engine thread: the open stream gets an
+    error event and [DONE], GET and HEAD /health and new requests answer 503 with an OpenAI error body
+    naming the cause, and the HTTP server stays up."""
     srv = RunningServer(tiny_model_dir, "paged")
     try:
         srv.assert_alive()
@@ -596,24 +432,63 @@ def test_engine_failure_turns_into_503_and_unhealthy(tiny_model_dir):
         def failing_step():
             calls.append(1)
             if len(calls) > 3:
-                raise RuntimeError("simulated device failure")
+                raise RuntimeError(FATAL)
             return real_step()
 
         srv.engine.step = failing_step
         body = {"messages": CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
         with srv.http.stream("POST", CHAT_URL, json=body) as r:
             assert r.status_code == 200
-            events = [e for e in r.read().decode().split("\n\n") if e]
+            events = sse_events(r.read().decode())
         assert events[-1] == "data: [DONE]"
         err = json.loads(events[-2][len("data: "):])["error"]
-        assert err["type"] == "service_unavailable" and "simulated device failure" in err["message"]
+        assert err["type"] == "service_unavailable" and FATAL in err["message"]
         health = srv.http.get("/health")
-        assert health.status_code == 503 and "simulated device failure" in health.json()["error"]["message"]
+        assert health.status_code == 503 and FATAL in health.json()["error"]["message"]
+        assert "restart" in health.json()["error"]["message"]
+        head = srv.http.head("/health")
+        assert head.status_code == 503 and head.content == b""
         with pytest.raises(openai.InternalServerError) as e:
             srv.client.chat.completions.create(model=SERVED, messages=_MSG, max_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "engine_unavailable"
         assert srv.http.get("/v1/models").status_code == 200  # HTTP side still answers
         assert srv.http.get("/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_failed_request_gets_an_error_reply_and_the_server_runs_on(tiny_model_dir):
+    """An ordinary exception while the engine works on a request fails the requests concerned (a 500
+    error body, or an error event and [DONE] on a stream); the engine, /health and later requests are fine."""
+    srv = RunningServer(tiny_model_dir, "paged")
+    try:
+        real_step, fail = srv.engine.step, []
+
+        def step():
+            if fail:
+                fail.clear()
+                raise RuntimeError("simulated bad request")
+            return real_step()
+
+        srv.engine.step = step
+        fail.append(1)
+        with srv.http.stream("POST", CHAT_URL, json={"messages": CHAT, "max_tokens": 5, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r.read().decode())
+        assert events[-1] == "data: [DONE]"
+        err = json.loads(events[-2][len("data: "):])["error"]
+        assert err["code"] == "internal_error" and "simulated bad request" in err["message"]
+        srv.wait_kv_idle()
+        deadline = time.time() + 15  # no step left to run (it would take the failure meant for the next one)
+        while srv.engine.has_unfinished_requests():
+            assert time.time() < deadline, "the failed request never left the engine"
+            time.sleep(0.02)
+        fail.append(1)
+        r = srv.http.post(CHAT_URL, json={"messages": CHAT, "max_tokens": 5})
+        assert r.status_code == 500 and "simulated bad request" in r.json()["error"]["message"]
+        assert srv.http.get("/health").status_code == 200
+        srv.assert_alive()
+        srv.wait_kv_idle()
     finally:
         srv.stop()
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible FastAPI app: ``build_app(async_engine, served_model_name)``.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE or
-not), ``GET /health``, ``GET /metrics`` (Prometheus text format, own registry per app).  Errors are
-OpenAI error bodies (see :mod:`vmkv.server.errors`); a client that disconnects, streamed or not, aborts
-its engine request so its KV is freed at once.
+not), ``GET``/``HEAD /health`` (503 saying why when the engine cannot serve), ``GET /metrics``
+(Prometheus text format, own registry per app).  Errors are OpenAI error bodies (see
+:mod:`vmkv.server.errors`); a client that disconnects, streamed or not, aborts its engine request so its
+KV is freed at once.  A body larger than ``max_request_bytes`` gets 413 and the connection is closed.
 
 The app's lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
 """
@@ -20,7 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vmkv.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
+from vmkv.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestFailedError,
+    RequestStream,
+)
 from vmkv.server.errors import OpenAIError, error_response, install_error_handlers
 from vmkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from vmkv.server.protocol import (
@@ -33,7 +40,7 @@ from vmkv.server.protocol import (
     ModelList,
     random_id,
 )
-from vmkv.server.serving import OpenAIServing, collect, now
+from vmkv.server.serving import OpenAIServing, collect, engine_error, now
 
 __all__ = ["build_app", "SSEResponse", "DEFAULT_MAX_REQUEST_BYTES"]
 
@@ -111,31 +118,25 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
 
 
 class _BodyLimit:
-    """Pure ASGI middleware: a request body over ``max_bytes`` gets HTTP 413 before any parsing.
+    """Pure ASGI middleware: a request body over ``max_bytes`` gets HTTP 413, and the connection is closed.
 
-    Checks ``Content-Length`` first, then counts the streamed chunks (chunked uploads); the body read
-    is replayed to the app, and later ``receive`` calls (disconnect detection) pass through.
+    A declared ``Content-Length`` over the limit is answered from the header alone, before any of the body
+    is read (a client that declares a huge body and sends nothing gets its 413 at once); a body without
+    one (chunked) is counted as it streams in.  The reply carries ``Connection: close`` and the server
+    closes the connection after it, so the rest of the body is never read.  The body read is replayed
+    to the app, and later ``receive`` calls (disconnect detection) pass through.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = int(max_bytes)
 
-    async def _reject(self, receive: Receive, send: Send, size: str | None, more_body: bool = True) -> None:
-        # read (and drop) what the client is still sending, up to a bound, so that it gets to read the
-        # reply instead of a connection reset in the middle of its upload
-        drained = 0
-        while more_body and drained <= 16 * self.max_bytes:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            drained += len(message.get("body", b""))
-            more_body = message.get("more_body", False)
+    async def _reject(self, send: Send, size: str | None) -> None:
         what = f"is {size} bytes, more than" if size else "exceeds"
         err = OpenAIError(413, f"request body {what} this server's limit of "
                                f"{self.max_bytes} bytes; send a shorter prompt or fewer prompts per request "
                                "(the server's --max-request-bytes)", code="request_too_large")
-        await error_response(err)({"type": "http"}, _no_receive, send)
+        await error_response(err, headers={"connection": "close"})({"type": "http"}, _no_receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -143,7 +144,7 @@ class _BodyLimit:
             return
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(receive, send, length.decode())
+            await self._reject(send, length.decode())
             return
         chunks: list[bytes] = []
         total = 0
@@ -156,7 +157,7 @@ class _BodyLimit:
             chunks.append(message.get("body", b""))
             total += len(chunks[-1])
             if total > self.max_bytes:
-                await self._reject(receive, send, None, message.get("more_body", False))
+                await self._reject(send, None)
                 return
             if not message.get("more_body", False):
                 break
@@ -243,19 +244,22 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     async def _collect(request: Request, streams: list[RequestStream]) -> list[Any] | None:
         try:
             return await _until_disconnect(request, collect(streams))
-        except (EngineDeadError, EngineShutdownError) as exc:
-            raise _engine_error(exc) from exc
+        except (EngineDeadError, EngineShutdownError, RequestFailedError) as exc:
+            raise engine_error(exc) from exc
         finally:
             _abort_unfinished(streams)
 
-    def _engine_error(exc: Exception) -> OpenAIError:
-        return OpenAIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        """200 ``{"status": "ok"}`` while the engine serves; 503 with the reason when it cannot (it failed,
+        e.g. a CUDA error poisoned the device, or it is shutting down).  HEAD answers the same, bodiless."""
+        err = async_engine.error
+        if err is not None:
+            return error_response(OpenAIError(
+                503, f"the engine failed and cannot serve requests: {type(err).__name__}: {err}; restart the "
+                     "server", code="engine_unavailable"))
         if not async_engine.is_running:
-            err = async_engine.error
-            return error_response(OpenAIError(503, f"engine not running{f': {err!r}' if err else ''}",
+            return error_response(OpenAIError(503, "the engine is not running (shutting down or not started)",
                                               code="engine_unavailable"))
         return JSONResponse({"status": "ok"})
 

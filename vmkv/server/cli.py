@@ -3,9 +3,11 @@
     vmkv serve [--model PATH] [--backend paged|vmem] [--host 127.0.0.1] [--port 8000] [engine knobs]
 
 The engine knobs are the ones ``vmkv generate`` takes too (:mod:`vmkv.engine.args`); their defaults
-come from :mod:`vmkv.engine.config`.  uvicorn handles SIGINT/SIGTERM: it stops accepting
-connections, lets running requests finish for ``--graceful-timeout`` seconds (then cancels them, which
-aborts their engine requests), and the app's lifespan stops the engine thread.
+come from :mod:`vmkv.engine.config`.  On SIGINT/SIGTERM the server stops accepting connections and
+lets running requests finish for ``--graceful-timeout`` seconds; then it stops the engine, which ends
+what is still running with HTTP 503 (an error event and ``[DONE]`` on a stream), and exits
+(:mod:`vmkv.server.http_server`).  A client that does not send a complete request head within
+``--header-timeout`` seconds is disconnected.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import argparse
 import logging
 import signal
 import sys
-from typing import Any
 
 from vmkv.engine.args import add_engine_args, apply_threads, engine_kwargs, parse_size
+from vmkv.server.http_server import DEFAULT_HEADER_TIMEOUT_S, build_server
 
 __all__ = ["add_arguments", "run", "engine_kwargs"]
 
@@ -31,9 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients send and /v1/models lists (default: the model's name)")
-    g.add_argument("--graceful-timeout", type=float, default=10.0,
-                   help="seconds running requests may take to finish after SIGINT/SIGTERM "
-                        "(default: %(default)s)")
+    g.add_argument("--graceful-timeout", type=_seconds(0.0), default=10.0, metavar="SECONDS",
+                   help="seconds running requests may take to finish after SIGINT/SIGTERM; then they get "
+                        "HTTP 503 (default: %(default)s)")
+    g.add_argument("--header-timeout", type=_seconds(None), default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="a client must send a complete request head within this many seconds of connecting "
+                        "(or of the previous response), or it is disconnected (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--max-request-bytes", type=parse_size, default=8 << 20, metavar="SIZE",
                    help="larger request bodies get HTTP 413 (default: 8MiB)")
@@ -41,10 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def _seconds(minimum: float | None):
+    """``argparse`` type: a finite number of seconds, ``>= minimum`` (``> 0`` when ``minimum`` is None)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        ok = value >= minimum if minimum is not None else value > 0
+        if not ok or value == float("inf"):
+            bound = f">= {minimum:g}" if minimum is not None else "> 0"
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {bound}, got {text!r}")
+        return value
+    return parse
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, build the engine and serve until SIGINT/SIGTERM.  Returns the exit code."""
-    import uvicorn
-
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.server.app import build_app
     from vmkv.server.async_engine import AsyncEngine
@@ -64,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"vmkv serve: model {served} ({engine.model_name}), backend {args.backend}, "
           f"max_model_len {engine.max_model_len}, KV capacity {u.capacity_bytes / 2**20:.1f} MiB; "
           f"listening on http://{args.host}:{args.port}/v1", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout, access_log=False)
-    server = _server_class()(config)
+    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                          graceful_timeout_s=args.graceful_timeout, header_timeout_s=args.header_timeout,
+                          access_log=False)
     server.run()  # SIGINT/SIGTERM: graceful shutdown, then the app's lifespan stops the engine thread
     if server.received_signal is not None:
         print(f"vmkv serve: stopped ({signal.Signals(server.received_signal).name})", flush=True)
@@ -74,22 +92,3 @@ def run(args: argparse.Namespace) -> int:
         print("vmkv serve: stopped", flush=True)
     return 0 if server.started else 1
 
-
-def _server_class() -> type:
-    import uvicorn
-
-    class _GracefulServer(uvicorn.Server):
-        """uvicorn's server, but a SIGINT/SIGTERM that led to a graceful shutdown ends with exit status 0
-        instead of being re-raised (uvicorn re-raises it after shutting down); a second SIGINT still
-        forces the exit."""
-
-        received_signal: int | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            self.received_signal = sig
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
-                self.should_exit = True
-
-    return _GracefulServer

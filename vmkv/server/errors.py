@@ -7,17 +7,20 @@ reference, "Error codes"), so the official ``openai`` client raises ``BadRequest
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+import sys
+from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmkv.server.protocol import ErrorInfo, ErrorResponse
 
-__all__ = ["OpenAIError", "error_response", "error_body", "install_error_handlers", "validation_message"]
+__all__ = ["OpenAIError", "error_response", "error_body", "install_error_handlers", "validation_message",
+           "body_parse_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +65,24 @@ def error_body(err: OpenAIError) -> dict[str, Any]:
                                          code=err.code)).model_dump()
 
 
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status)
+def error_response(err: OpenAIError, headers: Mapping[str, str] | None = None) -> Response:
+    """``err`` as a JSON reply.  Rendered ASCII-only (``\\uXXXX`` escapes), so no text a client sent,
+    quoted in a message, can make the error reply itself fail to encode."""
+    return Response(json.dumps(error_body(err)), status_code=err.status, headers=headers,
+                    media_type="application/json")
+
+
+#: longest rendering of a rejected value quoted in a message
+_MAX_SHOWN_CHARS = 80
+
+
+def _shown(value: Any) -> str:
+    """A rejected value as JSON (``null``, ``true``, ``"text"``), cut to :data:`_MAX_SHOWN_CHARS`."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= _MAX_SHOWN_CHARS else text[:_MAX_SHOWN_CHARS - 3] + "..."
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -94,25 +113,49 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
         return "request body is missing; send a JSON object", None, "invalid_json"
     if code_is_body_type(first):
         return "request body must be a JSON object", None, "invalid_type"
+    # one message per field: a union reports one error per member, and the member whose type matched
+    # (its error is about the value) says what is wrong, not "Input should be a valid string"
+    by_param: dict[str, dict[str, Any]] = {}
+    for e in errors:
+        key = _param_of(tuple(e.get("loc", ()))) or ""
+        if key not in by_param or _is_type_error(by_param[key]) and not _is_type_error(e):
+            by_param[key] = e
+    first = next(iter(by_param.values()))
     seen: dict[str, str] = {}
     first_param = _param_of(tuple(first.get("loc", ())))
-    for e in errors:
-        param = _param_of(tuple(e.get("loc", ())))
+    for key, e in by_param.items():
+        param = key or None
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        key = param or ""
-        if key in seen:  # one message per field (a union reports one error per member)
-            continue
         got = e.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None and e.get("type") == "missing" \
-            else f" (got {got!r})"
+        # the value is added here, once: validators' messages name the rule, not the value
+        quiet = isinstance(got, (dict, list)) or got is None and (e.get("type") == "missing" or "null" in msg)
+        shown = "" if quiet else f" (got {_shown(got)})"
         seen[key] = f"{param}: {msg}{shown}" if param else f"{msg}{shown}"
     if first_param is None:  # a whole-model check whose message starts with the field it is about
         head, colon, _ = str(first.get("msg", "")).removeprefix("Value error, ").partition(":")
         first_param = head if colon and head.isidentifier() else None
-    code = "invalid_type" if str(first.get("type", "")).endswith("_type") else "invalid_value"
+    code = "invalid_type" if _is_type_error(first) else "invalid_value"
     if first.get("type") == "missing":
         code = "missing_required_parameter"
     return "; ".join(seen.values()), first_param, code
+
+
+def _is_type_error(error: dict[str, Any]) -> bool:
+    return str(error.get("type", "")).endswith("_type")
+
+
+def body_parse_message(cause: BaseException | None) -> str:
+    """Why a request body could not be parsed as JSON, from the exception ``json.loads`` raised."""
+    if isinstance(cause, RecursionError):
+        return ("request body could not be parsed: its JSON is nested too deeply (arrays/objects inside "
+                "each other about a thousand levels or more); send a flatter JSON object")
+    if isinstance(cause, UnicodeDecodeError):
+        return "request body is not valid JSON (not UTF-8 text); send a JSON object in UTF-8"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
+        return (f"request body could not be parsed: it has an integer with more than {limit} digits; "
+                "send numbers within their fields' ranges")
+    return "request body could not be parsed as JSON; send a JSON object"
 
 
 def code_is_body_type(error: dict[str, Any]) -> bool:
@@ -125,35 +168,38 @@ def install_error_handlers(app: FastAPI) -> None:
     :class:`OpenAIError` its own, anything else -> 500."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
         errors = list(exc.errors())
         ctype = request.headers.get("content-type", "")
-        if errors and code_is_body_type(errors[0]) and ctype and "json" not in ctype.lower():
-            # FastAPI only parses JSON bodies sent as JSON; `curl -d` sends form content
+        if errors and code_is_body_type(errors[0]) and "json" not in ctype.lower():
+            # FastAPI parses a body as JSON only when it is declared JSON (a body without a
+            # Content-Type is not parsed: a browser can send one cross-site without a CORS preflight);
+            # `curl -d` alone sends form content
+            got = f"got {ctype.split(';')[0]!r}" if ctype else "the header is missing"
             return error_response(OpenAIError(
-                415, f"Content-Type must be application/json, got {ctype.split(';')[0]!r}; send the "
-                     "JSON body with the header 'Content-Type: application/json' (curl: -H)",
+                415, f"Content-Type must be application/json, {got}; send the JSON body with the header "
+                     "'Content-Type: application/json' (curl: -H)",
                 code="unsupported_media_type"))
         message, param, code = validation_message(errors)
         return error_response(OpenAIError(400, message, param=param, code=code))
 
     @app.exception_handler(OpenAIError)
-    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai(request: Request, exc: OpenAIError) -> Response:
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = str(exc.detail)
         if exc.status_code == 400 and message == "There was an error parsing the body":
-            # FastAPI's reply to a body that is not UTF-8 (or not decodable at all)
-            message, code = "request body is not valid JSON (not UTF-8 text); send a JSON object", "invalid_json"
+            # FastAPI's reply to every json.loads failure other than a syntax error; the cause says which
+            message, code = body_parse_message(exc.__cause__), "invalid_json"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see GET /v1/models and /docs"
         return error_response(OpenAIError(exc.status_code, message, code=code))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}",
                                           code="internal_error"))

@@ -1,31 +1,56 @@
 """Pydantic models of the OpenAI completions and chat-completions wire format.
 
 Follows the OpenAI API reference (``POST /v1/completions``, ``POST /v1/chat/completions``, the
-``chat.completion.chunk`` streaming object and the error object) with the vLLM extensions
-``ignore_eos``, ``top_k``, ``stop_token_ids`` and ``skip_special_tokens``.
+``chat.completion.chunk`` streaming object and the error object) with vLLM's extensions under vLLM's
+names (``top_k``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``cache_salt``, ...).
 
 Requests are validated in pydantic *strict* mode, so a wrong JSON type (``"temperature": "0.5"``,
 ``"stream": "yes"``) is rejected instead of coerced; the server turns every validation error into an
-HTTP 400 with an :class:`ErrorResponse` body.  Unknown request fields are ignored, as OpenAI does for
-fields it does not know.
+HTTP 400 with an :class:`ErrorResponse` body.  Three rules hold for every request model, each
+enforced in one place:
+
+- every number is range-checked here, at the HTTP edge (:func:`_within`), so no value that the engine
+  cannot take ever reaches it; the message names the allowed range and the error the value;
+- every string, wherever it sits in the request, is checked for lone UTF-16 surrogates (``"\ud800"``
+  is valid JSON but not Unicode text, and would fail deep in the tokenizer);
+- a field that would change the result but is not implemented (:class:`Unsupported`) is rejected
+  unless it has its neutral value, instead of being silently ignored.
+
+Unknown fields, and known ones that do not change the result (``user``, ``metadata``, ``store``,
+``parallel_tool_calls`` without tools, ...), are ignored, as OpenAI does for fields it does not know.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "MAX_N",
     "MAX_STOP_SEQUENCES",
+    "MAX_STOP_SEQUENCE_CHARS",
+    "MAX_STOP_TOKEN_IDS",
+    "INT32_MAX",
+    "Unsupported",
     "ErrorInfo",
     "ErrorResponse",
     "StreamOptions",
     "SamplingRequestFields",
     "CompletionRequest",
+    "TextContentPart",
     "ChatMessage",
     "ChatCompletionRequest",
     "UsageInfo",
@@ -48,8 +73,14 @@ __all__ = [
 MAX_N = 64
 #: most stop strings one request may give (OpenAI allows 4; vLLM allows more)
 MAX_STOP_SEQUENCES = 16
-#: upper bound of any token count field; anything above is rejected by validation
-_MAX_TOKENS_LIMIT = 1 << 31
+#: longest stop string (characters); each is searched for in the output after every token
+MAX_STOP_SEQUENCE_CHARS = 1024
+#: most ``stop_token_ids`` one request may give
+MAX_STOP_TOKEN_IDS = 1024
+#: upper bound of every token count and token id field
+INT32_MAX = (1 << 31) - 1
+#: upper bound of ``seed`` (a signed 64-bit integer)
+_INT64_MAX = (1 << 63) - 1
 
 
 def random_id(prefix: str) -> str:
@@ -79,35 +110,145 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ---------------------------------------------------------------------------- field rules
+def _within(lo: float, hi: float, *, lo_open: bool = False, also: tuple[int, ...] = (),
+            note: str = "") -> AfterValidator:
+    """Range check of a number field: ``None``, one of ``also``, or ``lo <= value <= hi`` (``lo < value``
+    when ``lo_open``).  NaN is out of every range.  The message names the range; the error handler adds
+    the value (so it is never printed twice)."""
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    allowed = f"{' or '.join(map(str, also))}{note} or in {interval}" if also else f"in {interval}{note}"
+
+    def check(value: Any) -> Any:
+        if value is None or (also and value in also):
+            return value
+        if not ((lo < value) if lo_open else (lo <= value)) or not value <= hi:
+            raise ValueError(f"must be {allowed}")
+        return value
+
+    return AfterValidator(check)
+
+
+class Unsupported:
+    """Marks a request field (``Annotated[T, Unsupported(...)]``) that would change the result but is
+    not implemented by this server: the request is rejected (HTTP 400, "not supported") unless the
+    field is absent or has one of the ``neutral`` values, which change nothing.
+
+    Args:
+        neutral: the accepted values (compared with their JSON type: ``0`` is not ``false``).
+    """
+
+    def __init__(self, *neutral: Any) -> None:
+        self.neutral = neutral if neutral else (None,)
+
+    def accepts(self, value: Any) -> bool:
+        return any(value == n and type(value) is type(n) for n in self.neutral)
+
+    def message(self) -> str:
+        shown = [json.dumps(n) for n in self.neutral if n is not None]
+        return "not supported by this server; omit it" + (f" or send {' or '.join(shown)}" if shown else "")
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where in ``value`` (a str, or lists/dicts of them) a lone UTF-16 surrogate sits: ``""`` for
+    ``value`` itself, ``"[3]"`` / ``"['key']"`` inside it; None if there is none.  Nested models are
+    skipped: they run this check on their own fields."""
+    if isinstance(value, str):
+        return path if _LONE_SURROGATE.search(value) else None
+    if isinstance(value, (list, tuple)):
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _LONE_SURROGATE.search(key):
+            return f"{path}[{key!r}]"
+        found = _surrogate_at(item, f"{path}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
 # ---------------------------------------------------------------------------- requests
 class _StrictRequest(BaseModel):
+    """Base of every request model: strict types, unknown fields ignored, and one check that runs on
+    every field of every request model (nested ones included): no lone surrogates in any string,
+    and an :class:`Unsupported` field only at a neutral value."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_every_field(cls, value: Any, info: ValidationInfo) -> Any:
+        where = _surrogate_at(value)
+        if where is not None:
+            raise ValueError(f"contains a lone UTF-16 surrogate{f' (at {where})' if where else ''}, which "
+                             "is not Unicode text; send valid UTF-8 (a JSON \\ud800-\\udfff escape must be "
+                             "half of a surrogate pair)")
+        field = cls.model_fields.get(info.field_name or "")
+        for rule in field.metadata if field is not None else ():
+            if isinstance(rule, Unsupported) and not rule.accepts(value):
+                raise ValueError(rule.message())
+        return value
 
 
 class StreamOptions(_StrictRequest):
     """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and empty ``choices``."""
 
     include_usage: bool = False
+    continuous_usage_stats: Annotated[bool, Unsupported(False)] = Field(False, description="vLLM extension")
+
+
+_Count = Annotated[int | None, _within(1, INT32_MAX)]
+_TokenId = Annotated[int, _within(0, INT32_MAX)]
+_Penalty = Annotated[float | None, _within(-2, 2), Unsupported(None, 0.0)]
 
 
 class SamplingRequestFields(_StrictRequest):
-    """Fields shared by both endpoints.  Ranges follow the OpenAI API reference."""
+    """Fields shared by both endpoints.  Ranges follow the OpenAI API reference and vLLM."""
 
     model: str | None = Field(None, description="served model name; null means the served model")
-    n: int = Field(1, ge=1, le=MAX_N, description="completions per prompt")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; null = 1")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; null = 1")
-    top_k: int | None = Field(None, ge=-1, description="extension: -1 or null = off")
-    seed: int | None = Field(None, ge=0, lt=1 << 63, description="per-request sampling seed")
+    n: Annotated[int, _within(1, MAX_N)] = Field(1, description="completions per prompt")
+    temperature: Annotated[float | None, _within(0, 2)] = Field(None, description="0 = greedy; null = 1")
+    top_p: Annotated[float | None, _within(0, 1, lo_open=True)] = Field(
+        None, description="nucleus mass; null = 1")
+    top_k: Annotated[int | None, _within(1, INT32_MAX, also=(-1, 0), note=" (off)")] = Field(
+        None, description="extension: -1, 0 or null = off")
+    seed: Annotated[int | None, _within(0, _INT64_MAX)] = Field(None, description="per-request sampling seed")
     stop: str | list[str] | None = Field(None, description="up to MAX_STOP_SEQUENCES strings")
-    stop_token_ids: list[int] | None = Field(None, description="extension")
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
     skip_special_tokens: bool = Field(True, description="extension")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    cache_salt: str | None = Field(None, description="extension (vLLM): prompts with different salts never "
+                                                     "share prefix-cache entries (tenant isolation)")
     user: str | None = None
+    # would change the result, not implemented: accepted only at their neutral values
+    presence_penalty: _Penalty = None
+    frequency_penalty: _Penalty = None
+    repetition_penalty: Annotated[float | None, _within(0, 2, lo_open=True), Unsupported(None, 1.0)] = None
+    min_p: Annotated[float | None, _within(0, 1), Unsupported(None, 0.0)] = None
+    min_tokens: Annotated[int | None, _within(0, INT32_MAX), Unsupported(None, 0)] = None
+    logit_bias: Annotated[dict[str, float] | None, Unsupported(None, {})] = None
+    response_format: Annotated[dict[str, Any] | None, Unsupported(None, {"type": "text"})] = None
+    use_beam_search: Annotated[bool, Unsupported(False)] = False
+    include_stop_str_in_output: Annotated[bool, Unsupported(False)] = False
+    spaces_between_special_tokens: Annotated[bool, Unsupported(True)] = True
+    prompt_logprobs: Annotated[int | None, Unsupported()] = None
+    truncate_prompt_tokens: Annotated[int | None, Unsupported()] = None
+    allowed_token_ids: Annotated[list[int] | None, Unsupported()] = None
+    bad_words: Annotated[list[str] | None, Unsupported(None, [])] = None
+    logits_processors: Annotated[list[Any] | None, Unsupported(None, [])] = None
+    structured_outputs: Annotated[dict[str, Any] | None, Unsupported()] = None
+    guided_json: Annotated[Any, Unsupported()] = None
+    guided_regex: Annotated[str | None, Unsupported()] = None
+    guided_choice: Annotated[list[str] | None, Unsupported()] = None
+    guided_grammar: Annotated[str | None, Unsupported()] = None
 
     @field_validator("stop")
     @classmethod
@@ -117,14 +258,18 @@ class SamplingRequestFields(_StrictRequest):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_SEQUENCE_CHARS:
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_SEQUENCE_CHARS} characters, "
+                             f"one has {longest}")
         return stop
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("cache_salt")
     @classmethod
-    def _check_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise ValueError(f"only 0 is supported by this server, got {value}")
-        return value
+    def _check_cache_salt(cls, salt: str | None) -> str | None:
+        if salt is not None and salt == "":
+            raise ValueError("must be a non-empty string (or omitted)")
+        return salt
 
     @model_validator(mode="after")
     def _check_common(self) -> "SamplingRequestFields":
@@ -153,11 +298,12 @@ class CompletionRequest(SamplingRequestFields):
     """
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1, le=_MAX_TOKENS_LIMIT)
+    max_tokens: _Count = 16
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int | None, _within(1, MAX_N)] = None
+    logprobs: Annotated[int | None, Unsupported()] = None
+    suffix: Annotated[str | None, Unsupported()] = None
+    prompt_embeds: Annotated[Any, Unsupported()] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -182,16 +328,11 @@ class CompletionRequest(SamplingRequestFields):
             raise ValueError("every prompt in the list must be a non-empty string")
         elif isinstance(p[0], list) and any(len(ids) == 0 for ids in p):
             raise ValueError("every token-id list must be non-empty")
-        elif isinstance(p[0], int) and any(t < 0 for t in p):
-            raise ValueError("token ids must be >= 0")
+        else:
+            ids = p if isinstance(p[0], int) else [t for ids in p for t in ids]
+            if any(not 0 <= t <= INT32_MAX for t in ids):
+                raise ValueError(f"token ids must be in [0, {INT32_MAX}] (and in the model's vocabulary)")
         return p
-
-    @field_validator("logprobs", "suffix")
-    @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("not supported by this server; omit it")
-        return value
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
@@ -217,11 +358,15 @@ class TextContentPart(_StrictRequest):
 
 
 class ChatMessage(_StrictRequest):
-    """One chat message.  Content may be a string or a list of text parts (joined with newlines)."""
+    """One chat message.  Content is a string or a list of text parts (joined with newlines); it may
+    not be null: OpenAI allows null only in an assistant message with ``tool_calls``, and tools are
+    not supported."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: Annotated[list[Any] | None, Unsupported(None, [])] = None
+    function_call: Annotated[dict[str, Any] | None, Unsupported()] = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -234,12 +379,20 @@ class ChatMessage(_StrictRequest):
                                      f"supported by this text-only model, got a {kind!r} part")
         return content
 
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_not_null(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None:
+            if info.data.get("role") == "assistant":
+                raise ValueError("an assistant message needs content; null content is only valid with "
+                                 "tool_calls, which this server does not support")
+            raise ValueError("expected a string or array of objects, but got null")
+        return content
+
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content or ())
 
 
 class ChatCompletionRequest(SamplingRequestFields):
@@ -250,18 +403,25 @@ class ChatCompletionRequest(SamplingRequestFields):
     """
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS_LIMIT)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-
-    @field_validator("logprobs", "top_logprobs", "tools")
-    @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        if value not in (None, False, []):
-            raise ValueError("not supported by this server; omit it")
-        return value
+    max_tokens: _Count = None
+    max_completion_tokens: _Count = None
+    logprobs: Annotated[bool | None, Unsupported(None, False)] = None
+    top_logprobs: Annotated[int | None, _within(0, 20), Unsupported(None, 0)] = None
+    tools: Annotated[list[Any] | None, Unsupported(None, [])] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, Unsupported(None, "none")] = None
+    functions: Annotated[list[Any] | None, Unsupported(None, [])] = None
+    function_call: Annotated[str | dict[str, Any] | None, Unsupported(None, "none")] = None
+    audio: Annotated[dict[str, Any] | None, Unsupported()] = None
+    modalities: Annotated[list[str] | None, Unsupported(None, ["text"])] = None
+    web_search_options: Annotated[dict[str, Any] | None, Unsupported()] = None
+    reasoning_effort: Annotated[str | None, Unsupported()] = None
+    verbosity: Annotated[str | None, Unsupported()] = None
+    echo: Annotated[bool, Unsupported(False)] = Field(False, description="vLLM extension")
+    add_generation_prompt: Annotated[bool, Unsupported(True)] = True
+    continue_final_message: Annotated[bool, Unsupported(False)] = False
+    chat_template: Annotated[str | None, Unsupported()] = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, Unsupported(None, {})] = None
+    documents: Annotated[list[Any] | None, Unsupported()] = None
 
     @property
     def requested_max_tokens(self) -> int | None:

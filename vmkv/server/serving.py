@@ -7,6 +7,11 @@ anything is streamed, and the tokenizer is only ever used by one thread.
 
 Streaming replies are Server-Sent Events: ``data: <chunk JSON>\\n\\n`` per chunk, a final usage chunk
 with empty ``choices`` when ``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.
+
+A request that cannot finish gets an OpenAI error (:func:`engine_error`): a non-streamed one as its
+HTTP reply, a streamed one as a last ``data: {"error": ...}`` event before ``[DONE]``: 503 when the
+server shuts down (after its graceful timeout) or the engine failed, 500 when this request failed in
+the engine (the engine and the other requests run on).
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from vmkv.server.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
+from vmkv.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestFailedError,
+    RequestStream,
+)
 from vmkv.server.errors import OpenAIError, error_body
 from vmkv.server.protocol import (
     ChatCompletionChoice,
@@ -39,7 +50,7 @@ from vmkv.server.protocol import (
 if TYPE_CHECKING:
     from vmkv.engine.outputs import RequestOutput
 
-__all__ = ["OpenAIServing", "sse", "SSE_DONE"]
+__all__ = ["OpenAIServing", "engine_error", "sse", "SSE_DONE"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,21 @@ def sse(payload: Any) -> str:
     import json
 
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def engine_error(exc: BaseException) -> OpenAIError:
+    """The OpenAI error for an exception out of adding a request or iterating its stream."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineShutdownError):
+        return OpenAIError(503, f"the server is shutting down and did not finish this request ({exc}); "
+                                "retry it", code="engine_unavailable")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, f"the engine failed and cannot serve requests: {exc}", code="engine_unavailable")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, f"this request failed in the engine: {exc.message}", code="internal_error")
+    logger.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -138,6 +164,11 @@ class OpenAIServing:
                                    f"at most {max_num_seqs} completions per prompt",
                               param="n", code="invalid_value")
 
+        vocab = int(getattr(getattr(engine, "model_config", None), "vocab_size", 0) or 0)
+        bad = [t for t in req.stop_token_ids or () if vocab and t >= vocab]
+        if bad:
+            raise OpenAIError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab - 1}] of the "
+                                   "vocabulary", param="stop_token_ids", code="invalid_value")
         try:
             return SamplingParams(
                 n=req.n,
@@ -157,14 +188,15 @@ class OpenAIServing:
                               code="invalid_value") from exc
 
     async def _add(self, request_id: str, prepare: Callable[[Any], tuple], prompt_param: str,
-                   arrival: float) -> RequestStream:
+                   arrival: float, cache_salt: str | None) -> RequestStream:
         """Add one engine request; map engine errors to OpenAI errors."""
         try:
-            return await self.engine.add_request(request_id, prepare=prepare, arrival_time=arrival)
+            return await self.engine.add_request(request_id, prepare=prepare, arrival_time=arrival,
+                                                 cache_salt=cache_salt)
         except OpenAIError:
             raise
         except (EngineDeadError, EngineShutdownError) as exc:
-            raise OpenAIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
+            raise engine_error(exc) from exc
         except ValueError as exc:  # PromptTooLongError, empty prompt, bad messages, bad token ids
             code = "context_length_exceeded" if hasattr(exc, "max_model_len") else "invalid_value"
             raise OpenAIError(400, str(exc), param=prompt_param, code=code) from exc
@@ -201,7 +233,7 @@ class OpenAIServing:
                     return (prompt if isinstance(prompt, str) else None, ids,
                             self._sampling_params(req, max_tokens, engine))
 
-                streams.append(await self._add(f"{request_id}-{i}", prepare, "prompt", arrival))
+                streams.append(await self._add(f"{request_id}-{i}", prepare, "prompt", arrival, req.cache_salt))
                 infos.append(info)
         except BaseException:
             for s in streams:
@@ -254,8 +286,8 @@ class OpenAIServing:
                     finals[pi] = out
             if req.include_usage:
                 yield chunk([], _usage([finals[i] for i in sorted(finals)]))
-        except (EngineDeadError, EngineShutdownError) as exc:
-            yield sse(error_body(OpenAIError(503, f"the engine stopped: {exc}", code="engine_unavailable")))
+        except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
+            yield sse(error_body(engine_error(exc)))
         yield SSE_DONE
 
     # ------------------------------------------------------------------ chat
@@ -272,7 +304,7 @@ class OpenAIServing:
                                           if req.max_completion_tokens is not None else "max_tokens")
             return None, ids, self._sampling_params(req, max_tokens, engine)
 
-        return await self._add(request_id, prepare, "messages", arrival), info
+        return await self._add(request_id, prepare, "messages", arrival, req.cache_salt), info
 
     def chat_response(self, request_id: str, created: int, final: "RequestOutput") -> ChatCompletionResponse:
         choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
@@ -312,8 +344,8 @@ class OpenAIServing:
                 final = out
             if req.include_usage and final is not None:
                 yield chunk([], _usage([final]))
-        except (EngineDeadError, EngineShutdownError) as exc:
-            yield sse(error_body(OpenAIError(503, f"the engine stopped: {exc}", code="engine_unavailable")))
+        except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
+            yield sse(error_body(engine_error(exc)))
         yield SSE_DONE
 
 

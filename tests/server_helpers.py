@@ -1,0 +1,209 @@
+"""What the server tests share: a tiny random Llama with a word-level tokenizer and a ChatML chat template
+(transformers ``save_pretrained``, no download), the real app served by uvicorn on 127.0.0.1 in a thread
+of this process (:class:`RunningServer`, through :func:`vmkv.server.http_server.build_server` like
+``vmkv serve``), and ``vmkv serve`` as a child process (:class:`ServerProcess`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+MAX_MODEL_LEN = 128
+MAX_NUM_SEQS = 16
+SERVED = "tiny-llama"
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+CHAT = [{"role": "system", "content": "you are a good help"}, {"role": "user", "content": "what is the capital of France"}]
+
+WORDS = (
+    "the a of to and in is it you that he was for on are with as I his they be at one have this from or "
+    "had by hot word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long make thing "
+    "see him two has look more day could go come did number sound no most people my over know water than "
+    "call first who may down side been now find any new work part take get place made live where after "
+    "back little only round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right boy old too same "
+    "tell does set three want air well also play small end put home read hand port large spell add even "
+    "land here must big high such follow act why ask men change went light kind off need house picture try "
+    "us again animal point mother world near build self earth father Paris France capital"
+).split()
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: vmem pages of 16 tokens of the tiny model (2 layers x 2 KV heads x 16 dims x K,V x fp32 = 512 bytes a
+#: token), so that prefix caching works at the granularity of paged's 16-token blocks
+VMEM_PAGE_SIZE_BYTES = 16 * 512
+
+
+def make_tiny_model(path: Path) -> Path:
+    """A 2-layer random Llama (GQA 4/2 heads, vocab ~210) with tokenizer and chat template, in ``path``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(special + WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_json(http: httpx.Client, url: str, body: Any) -> httpx.Response:
+    """POST ``body`` encoded by ``json.dumps`` (ASCII escapes: lone surrogates and NaN survive, which
+    httpx's own ``json=`` encoding refuses)."""
+    return http.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+def sse_events(raw: str) -> list[str]:
+    """The non-empty events of an SSE body."""
+    return [e for e in raw.split("\n\n") if e]
+
+
+class RunningServer:
+    """The real app on uvicorn in a background thread."""
+
+    def __init__(self, model_dir: Path, backend: str, **server_kwargs: Any) -> None:
+        from vmkv.engine.llm_engine import LLMEngine
+        from vmkv.server.app import build_app
+        from vmkv.server.async_engine import AsyncEngine
+        from vmkv.server.http_server import build_server
+
+        knobs = {"driver": "host", "page_size_bytes": VMEM_PAGE_SIZE_BYTES} if backend == "vmem" else {}
+        self.engine = LLMEngine.from_args(str(model_dir), kv_backend=backend, device="cpu", dtype="float32",
+                                          max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                                          memory_bytes=4 << 20, **knobs)
+        self.backend = backend
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        app_kwargs = {k: server_kwargs.pop(k) for k in ("max_request_bytes",) if k in server_kwargs}
+        self.async_engine = AsyncEngine(self.engine)
+        app = build_app(self.async_engine, SERVED, **app_kwargs)
+        self.server = build_server(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                   graceful_timeout_s=2, **server_kwargs)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.http = httpx.Client(base_url=self.base, timeout=30)  # one client: its SSL setup is slow
+
+    @contextlib.contextmanager
+    def slowed(self, step_delay_s: float):
+        """Make every engine step take ``step_delay_s`` longer (a slower model), so a request is
+        reliably still running when the client leaves."""
+        real_step = self.engine.step
+
+        def slow_step():
+            time.sleep(step_delay_s)
+            return real_step()
+
+        self.engine.step = slow_step
+        try:
+            yield
+        finally:
+            del self.engine.step
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics, plus labelled ones keyed by their full text name."""
+        text = self.http.get("/metrics").text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_kv_idle(self, timeout_s: float = 15.0) -> dict[str, float]:
+        deadline = time.time() + timeout_s
+        while True:
+            m = self.metrics()
+            if m["vmkv_kv_used_tokens"] == 0 and m["vmkv_num_requests_running"] == 0 \
+                    and m["vmkv_num_requests_waiting"] == 0:
+                return m
+            assert time.time() < deadline, f"KV still in use: {m['vmkv_kv_used_tokens']} tokens"
+            time.sleep(0.05)
+
+    def assert_alive(self) -> None:
+        """The server still serves real work."""
+        r = self.client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+#: ``python -c`` program: ``vmkv`` with every engine step slowed by ``argv[1]`` seconds (a slower model,
+#: so that requests are reliably still running when the server is told to stop), then ``argv[2:]``
+_SLOW_VMKV = """
+import sys, time
+from vmkv.engine.llm_engine import LLMEngine
+delay_s, real_step = float(sys.argv[1]), LLMEngine.step
+def slow_step(self):
+    time.sleep(delay_s)
+    return real_step(self)
+LLMEngine.step = slow_step
+from vmkv.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class ServerProcess:
+    """``vmkv serve`` on the tiny model as a child process (stdout and stderr merged)."""
+
+    def __init__(self, model_dir: Path, *args: str, step_delay_s: float = 0.0) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        serve = ["serve", "--model", str(model_dir), "--backend", "paged", "--port", str(self.port),
+                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--memory-bytes", "2MiB",
+                 "--device", "cpu", "--served-model-name", SERVED, "--log-level", "warning", *args]
+        cmd = [sys.executable, "-c", _SLOW_VMKV, str(step_delay_s), *serve] if step_delay_s \
+            else [sys.executable, "-m", "vmkv.cli", *serve]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.time() + 60
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

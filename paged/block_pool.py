@@ -1,4 +1,4 @@
-"""Physical block pool of the paged backend: free list, reference counts, prefix-cache hash map.
+"""Physical block pool of the paged backend: free list, reference counts, prefix-cache eviction.
 
 The pool deals only in block ids and counts, never in tensors (the nano-vllm block manager split).
 A block is in exactly one of three states:
@@ -6,10 +6,11 @@ A block is in exactly one of three states:
 * **plain free**: ``refcount == 0`` and no hash; kept in a FIFO free list.  Ids are handed out
   from its head and freed ids are appended to its tail, so the order is deterministic
   (initially ``0, 1, 2, ...``).
-* **cached free** (evictable): ``refcount == 0`` but it still holds the K/V of a registered
-  full-block hash, so a later request with the same prefix can revive it.  Cached free blocks
-  are kept in least-recently-freed order and evicted (hash dropped) only when no plain free
-  block remains (vLLM automatic prefix caching; Kwon et al., "Efficient Memory Management for
+* **cached free** (evictable): ``refcount == 0`` but it still holds the K/V of a full block
+  cached in the prefix index (:class:`~vmkv.kvcache.prefix.PrefixIndex`, keyed by a chained hash
+  and verified against the block's token ids), so a later request with the same prefix can
+  revive it.  Cached free blocks are kept in least-recently-freed order and evicted (entry
+  dropped, with the entries of its descendants) only when no plain free block remains (vLLM automatic prefix caching; Kwon et al., "Efficient Memory Management for
   Large Language Model Serving with PagedAttention", SOSP'23, section 4.4).
 * **used**: ``refcount >= 1``, referenced by that many block-table entries.
 
@@ -22,6 +23,7 @@ import logging
 from collections import OrderedDict, deque
 
 from vmkv.kvcache.base import KVCacheError
+from vmkv.kvcache.prefix import PrefixEntry, PrefixIndex, UnitKey
 
 __all__ = ["BlockPool", "BlockPoolError", "NoFreeBlocksError", "InvalidBlockError",
            "BlockRefCountError"]
@@ -46,15 +48,16 @@ class BlockRefCountError(BlockPoolError):
 
 
 class BlockPool:
-    """Fixed set of ``num_blocks`` block ids with reference counts and a hash -> block map.
+    """Fixed set of ``num_blocks`` block ids with reference counts and a prefix index.
 
     Args:
         num_blocks: blocks in the pool (> 0).
+        prefix: the prefix index whose handles are block ids (a new one if ``None``).
     Raises:
         ValueError: ``num_blocks <= 0``.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, prefix: PrefixIndex | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -62,8 +65,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         # cached free blocks, least recently freed first: block_id -> None
         self._cached_free: OrderedDict[int, None] = OrderedDict()
-        self._hash_to_block: dict[int, int] = {}
-        self._block_to_hash: dict[int, int] = {}
+        self.prefix = PrefixIndex() if prefix is None else prefix
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ queries
@@ -87,8 +89,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks (used or free) registered in the hash map."""
-        return len(self._block_to_hash)
+        """Blocks (used or free) cached in the prefix index."""
+        return len(self.prefix)
 
     def refcount(self, block_id: int) -> int:
         self._check_id(block_id)
@@ -101,20 +103,24 @@ class BlockPool:
         """Plain free ids in hand-out order, then cached free ids in eviction order."""
         return list(self._free) + list(self._cached_free)
 
-    def lookup(self, block_hash: int) -> int | None:
-        """Block holding the full block with ``block_hash`` (used or cached free), or ``None``."""
-        return self._hash_to_block.get(block_hash)
-
-    def block_hash(self, block_id: int) -> int | None:
+    def is_cached(self, block_id: int) -> bool:
+        """Does the block (used or cached free) hold a unit of the prefix index?"""
         self._check_id(block_id)
-        return self._block_to_hash.get(block_id)
+        return self.prefix.is_cached(block_id)
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """Chained hash of the unit the block caches, or ``None``."""
+        self._check_id(block_id)
+        entry = self.prefix.entry_of(block_id)
+        return None if entry is None else entry.key.hash
 
     # ------------------------------------------------------------------ mutation
     def allocate(self) -> int:
         """Take a block (refcount becomes 1).
 
         The head of the plain free list if any; otherwise the least recently freed cached block,
-        whose hash is dropped (eviction).
+        whose prefix entry is dropped (eviction; cached free blocks of its descendants become
+        plain free).
 
         Raises:
             NoFreeBlocksError: every block is used.
@@ -123,10 +129,9 @@ class BlockPool:
             block_id = self._free.popleft()
         elif self._cached_free:
             block_id, _ = self._cached_free.popitem(last=False)
-            h = self._block_to_hash.pop(block_id)
-            del self._hash_to_block[h]
+            self._forget(block_id)
             self.num_evictions += 1
-            logger.debug("evicted cached block %d (hash %016x)", block_id, h)
+            logger.debug("evicted cached block %d", block_id)
         else:
             raise NoFreeBlocksError(
                 f"no free block: all {self.num_blocks} blocks are in use; free a sequence or "
@@ -169,7 +174,7 @@ class BlockPool:
         rc -= 1
         self._refcount[block_id] = rc
         if rc == 0:
-            if block_id in self._block_to_hash:
+            if self.prefix.is_cached(block_id):
                 self._cached_free[block_id] = None
             else:
                 self._free.append(block_id)
@@ -185,33 +190,35 @@ class BlockPool:
         for b in block_ids:
             self.decref(b)
 
-    def register(self, block_id: int, block_hash: int) -> bool:
-        """Record that used block ``block_id`` holds the full block ``block_hash``.
+    def register(self, block_id: int, key: UnitKey, parent: PrefixEntry | None = None) -> PrefixEntry | None:
+        """Cache used block ``block_id`` as holding the unit ``key`` whose prefix is ``parent``
+        (see :meth:`PrefixIndex.register`).
 
         Returns:
-            ``True`` if registered; ``False`` if the hash is already held by another block or
-            this block already has a hash (the first registration wins).
+            The entry caching that content (this block's, or an existing block's with the same
+            content: the first registration wins), or ``None`` (nothing cached).
         Raises:
             BlockRefCountError: the block is free.
         """
         self._check_id(block_id)
         if self._refcount[block_id] == 0:
             raise BlockRefCountError(f"register of free block {block_id}; only used blocks hold data")
-        if block_hash in self._hash_to_block or block_id in self._block_to_hash:
-            return False
-        self._hash_to_block[block_hash] = block_id
-        self._block_to_hash[block_id] = block_hash
-        return True
+        return self.prefix.register(key, parent, (block_id,))
+
+    def _forget(self, block_id: int) -> None:
+        """Drop the prefix entry of ``block_id`` and its descendants; their cached free blocks
+        become plain free (tail of the free list)."""
+        for b in self.prefix.drop(block_id):
+            if b in self._cached_free:
+                del self._cached_free[b]
+                self._free.append(b)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every hash; cached free blocks become plain free (in LRU order).  Returns how many
-        hashes were dropped."""
-        n = len(self._block_to_hash)
+        """Drop every prefix entry; cached free blocks become plain free (in LRU order).  Returns
+        how many entries were dropped."""
         self._free.extend(self._cached_free)
         self._cached_free.clear()
-        self._hash_to_block.clear()
-        self._block_to_hash.clear()
-        return n
+        return self.prefix.clear()
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self, expected_refcounts: dict[int, int] | None = None) -> None:
@@ -238,20 +245,15 @@ class BlockPool:
         negative = [b for b in range(self.num_blocks) if self._refcount[b] < 0]
         if negative:
             raise AssertionError(f"negative refcounts on blocks {negative}")
-        for h, b in self._hash_to_block.items():
-            if self._block_to_hash.get(b) != h:
-                raise AssertionError(
-                    f"hash {h:016x} -> block {b}, but block {b} -> {self._block_to_hash.get(b)}")
-        if len(self._hash_to_block) != len(self._block_to_hash):
-            raise AssertionError(
-                f"hash map sizes differ: {len(self._hash_to_block)} hashes, "
-                f"{len(self._block_to_hash)} blocks")
-        for b in cached:
-            if b not in self._block_to_hash:
-                raise AssertionError(f"cached free block {b} has no hash")
-        for b in free:
-            if b in self._block_to_hash:
-                raise AssertionError(f"plain free block {b} still has hash {self._block_to_hash[b]:016x}")
+        self.prefix.check_integrity()
+        hashed = self.prefix.handles()
+        bad = [b for b in hashed if not (isinstance(b, int) and 0 <= b < self.num_blocks)]
+        if bad:
+            raise AssertionError(f"prefix entries name block ids {bad} outside [0, {self.num_blocks})")
+        if cached - hashed:
+            raise AssertionError(f"cached free blocks {sorted(cached - hashed)} have no prefix entry")
+        if free & hashed:
+            raise AssertionError(f"plain free blocks {sorted(free & hashed)} still have a prefix entry")
         if expected_refcounts is not None:
             for b in range(self.num_blocks):
                 want = expected_refcounts.get(b, 0)

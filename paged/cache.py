@@ -9,8 +9,9 @@ physical block ``block_table[i]``, so position ``p`` is written at flat index
 
 Sharing (section 4.4 of the paper): ``fork`` shares every block by reference count and the first
 write into a block with ``refcount > 1`` copies it (copy-on-write, all layers); full prompt blocks
-are registered in a prefix cache keyed by a chained hash (:mod:`vmkv.kvcache.prefix`) once their
-K/V is written, and later prompts with the same prefix reuse them.  Block bookkeeping lives in
+are registered in a prefix cache keyed by a chained hash and verified against their token ids
+(:mod:`vmkv.kvcache.prefix`) once their K/V is written, and later prompts with the same prefix
+reuse them.  Block bookkeeping lives in
 :class:`~vmkv.paged.block_pool.BlockPool`; this module turns it into tensors, through the
 per-sequence numpy rows of :class:`~vmkv.paged.host_tables.HostBlockTables`.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -38,7 +39,7 @@ from vmkv.kvcache.base import (
     UnknownSequenceError,
 )
 from vmkv.kvcache.metadata import build_metadata, step_token_positions
-from vmkv.kvcache.prefix import unit_hashes
+from vmkv.kvcache.prefix import PrefixChain, PrefixIndex
 from vmkv.paged.block_pool import BlockPool
 from vmkv.paged.host_tables import HostBlockTables
 
@@ -64,10 +65,8 @@ class _Seq:
     # per-layer written marks, only while layers differ (write() layer by layer); None: every
     # layer's mark is written_all
     written_layers: list[int] | None = None
-    # chained hashes of the prompt's full blocks (empty without token ids / prefix caching)
-    block_hashes: list[int] = field(default_factory=list)
-    # leading logical blocks already offered to the prefix cache
-    num_registered: int = 0
+    # prefix-cache keys of the prompt's full blocks and how many are cached (None: no prefix caching)
+    prefix: PrefixChain | None = None
 
     def written(self, layer: int) -> int:
         """Positions ``0..written(layer)-1`` hold K/V in ``layer``."""
@@ -82,7 +81,7 @@ class _Seq:
     def copy(self, row: int) -> "_Seq":
         layers = None if self.written_layers is None else list(self.written_layers)
         return _Seq(list(self.block_table), self.seq_len, row, self.written_all, layers,
-                    self.block_hashes, self.num_registered)
+                    None if self.prefix is None else self.prefix.copy())
 
 
 class PagedKVCache(KVCache):
@@ -118,7 +117,8 @@ class PagedKVCache(KVCache):
                 f"least {self.block_bytes} bytes or a smaller block_size")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.pool = BlockPool(num_blocks)
+        self.prefix = PrefixIndex()
+        self.pool = BlockPool(num_blocks, self.prefix)
         self._kv: torch.Tensor | None = torch.zeros(
             (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype, device=spec.torch_device)
@@ -126,8 +126,6 @@ class PagedKVCache(KVCache):
         # block tables mirrored in a numpy row per sequence (_Seq.row) for prepare()
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._host_tables = HostBlockTables(max_num_seqs, self.max_blocks_per_seq)
-        self._prefix_query_tokens = 0
-        self._prefix_hit_tokens = 0
         self._num_cow_copies = 0
         logger.info("paged KV cache: %d blocks x %d tokens (%d bytes each), %d layers, %s on %s",
                     num_blocks, block_size, self.block_bytes, spec.num_layers, spec.dtype, spec.device)
@@ -179,14 +177,11 @@ class PagedKVCache(KVCache):
             raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
         self._check_seq_slot(num_tokens)
         bs = self.block_size
-        use_prefix = self.enable_prefix_caching and token_ids is not None
-        hashes = unit_hashes(list(token_ids), bs, extra_key) if use_prefix else []
+        lookup = None
         hits: list[int] = []
-        for h in hashes[:(num_tokens - 1) // bs]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
+        if self.enable_prefix_caching and token_ids is not None:
+            lookup = self.prefix.lookup(token_ids, bs, extra_key)
+            hits = [e.handles[0] for e in lookup.hits]
         num_new = -(-num_tokens // bs) - len(hits)
         # reviving a cached free hit block takes it out of the evictable set
         available = self.pool.num_free_blocks - sum(self.pool.is_cached_free(b) for b in hits)
@@ -198,10 +193,11 @@ class PagedKVCache(KVCache):
         table = hits + [self.pool.allocate() for _ in range(num_new)]
         hit_tokens = len(hits) * bs
         row = self._host_tables.new_row(table)
-        self._seqs[seq_id] = _Seq(table, num_tokens, row, hit_tokens, None, hashes, len(hits))
-        if use_prefix:
-            self._prefix_query_tokens += num_tokens
-            self._prefix_hit_tokens += hit_tokens
+        chain = None
+        if lookup is not None:
+            chain = PrefixChain(lookup.keys, lookup.hits)
+            self.prefix.record(lookup)
+        self._seqs[seq_id] = _Seq(table, num_tokens, row, hit_tokens, None, chain)
         return hit_tokens
 
     def extend(self, seq_id: int, num_tokens: int) -> None:
@@ -389,7 +385,8 @@ class PagedKVCache(KVCache):
                 s.written_all = end
             else:
                 continue
-            if s.block_hashes and s.num_registered < min(s.written_all // bs, len(s.block_hashes)):
+            if s.prefix is not None and s.prefix.num_registered < min(s.written_all // bs,
+                                                                         len(s.prefix.keys)):
                 self._register_written(s)
         return meta
 
@@ -444,8 +441,8 @@ class PagedKVCache(KVCache):
             waste_bytes=allocated - self.spec.kv_bytes(sum(covered.values())),
             capacity_bytes=capacity, mapped_bytes=capacity, reserved_bytes=capacity,
             free_tokens=self.free_tokens,
-            prefix_query_tokens=self._prefix_query_tokens,
-            prefix_hit_tokens=self._prefix_hit_tokens,
+            prefix_query_tokens=self.prefix.num_query_tokens,
+            prefix_hit_tokens=self.prefix.num_hit_tokens,
             num_cow_copies=self._num_cow_copies,
             unit_tokens=bs)
 
@@ -476,7 +473,8 @@ class PagedKVCache(KVCache):
         """Drop the KV tensor and every sequence (idempotent)."""
         self._kv = None
         self._seqs.clear()
-        self.pool = BlockPool(self.num_blocks)
+        self.prefix.clear()
+        self.pool = BlockPool(self.num_blocks, self.prefix)
         self._host_tables.reset()
 
     # ------------------------------------------------------------------ internals
@@ -543,9 +541,6 @@ class PagedKVCache(KVCache):
 
     def _register_written(self, s: _Seq) -> None:
         """Offer newly written full prompt blocks to the prefix cache."""
-        if not s.block_hashes:
-            return
-        full = min(s.written_all // self.block_size, len(s.block_hashes))
-        for i in range(s.num_registered, full):
-            self.pool.register(s.block_table[i], s.block_hashes[i])
-        s.num_registered = max(s.num_registered, full)
+        if s.prefix is not None:
+            s.prefix.register_upto(s.written_all // self.block_size,
+                                   lambda key, parent, i: self.pool.register(s.block_table[i], key, parent))

@@ -3,12 +3,24 @@
 import pytest
 
 from vmkv.kvcache.base import KVCacheError
+from vmkv.kvcache.prefix import unit_keys
 from vmkv.paged.block_pool import (
     BlockPool,
     BlockRefCountError,
     InvalidBlockError,
     NoFreeBlocksError,
 )
+
+
+def _key(token: int):
+    """Key of a one-token first unit (unit size 1)."""
+    return unit_keys([token], 1)[0]
+
+
+def _cached(pool, token: int):
+    """Block holding the verified first unit ``[token]``, or None."""
+    hits = pool.prefix.match([_key(token)])
+    return hits[0].handles[0] if hits else None
 
 
 def test_initial_allocation_order_and_exhaustion():
@@ -66,7 +78,7 @@ def test_refcount_errors_are_typed_and_change_nothing():
     with pytest.raises(InvalidBlockError):
         pool.incref(-1)
     with pytest.raises(BlockRefCountError, match="register of free block"):
-        pool.register(2, 1234)
+        pool.register(2, _key(1234))
     assert pool.free_block_ids() == [1, 2, 0]
     pool.check_integrity({})
     with pytest.raises(ValueError, match="num_blocks"):
@@ -77,20 +89,20 @@ def test_cached_blocks_evicted_lru_only_after_plain_free():
     pool = BlockPool(5)
     ids = [pool.allocate() for _ in range(4)]          # 0 1 2 3 used; 4 plain free
     for b, h in zip(ids, (100, 101, 102, 103)):
-        assert pool.register(b, h)
+        assert pool.register(b, _key(h)).handles == (b,)
     # free in the order 2, 0, 3 (least recently freed first: 2), and 1 stays used
     for b in (2, 0, 3):
         pool.decref(b)
     assert pool.num_free_blocks == 4
     assert pool.num_plain_free_blocks == 1 and pool.num_cached_free_blocks == 3
-    assert pool.lookup(102) == 2                        # cached free blocks stay findable
-    # the plain free block goes first, then cached ones in LRU order, dropping their hashes
+    assert _cached(pool, 102) == 2                      # cached free blocks stay findable
+    # the plain free block goes first, then cached ones in LRU order, dropping their entries
     assert pool.allocate() == 4
-    assert pool.lookup(102) == 2
+    assert _cached(pool, 102) == 2
     assert pool.allocate() == 2
-    assert pool.lookup(102) is None and pool.block_hash(2) is None
+    assert _cached(pool, 102) is None and pool.block_hash(2) is None
     assert pool.allocate() == 0
-    assert pool.lookup(100) is None and pool.lookup(103) == 3
+    assert _cached(pool, 100) is None and _cached(pool, 103) == 3
     assert pool.num_evictions == 2
     pool.check_integrity({0: 1, 1: 1, 2: 1, 4: 1})
 
@@ -98,11 +110,11 @@ def test_cached_blocks_evicted_lru_only_after_plain_free():
 def test_revive_cached_block_removes_it_from_lru():
     pool = BlockPool(3)
     a, b, c = (pool.allocate() for _ in range(3))
-    pool.register(a, 7)
-    pool.register(b, 8)
+    pool.register(a, _key(7))
+    pool.register(b, _key(8))
     pool.decref(a)
     pool.decref(b)                                      # LRU: a, b
-    pool.incref(pool.lookup(7))                         # revive a (refcount 0 -> 1)
+    pool.incref(_cached(pool, 7))                       # revive a (refcount 0 -> 1)
     assert pool.refcount(a) == 1 and pool.num_free_blocks == 1
     pool.decref(a)                                      # a is now the most recently freed
     assert pool.free_block_ids() == [b, a]
@@ -113,10 +125,11 @@ def test_revive_cached_block_removes_it_from_lru():
 def test_register_first_wins():
     pool = BlockPool(2)
     a, b = pool.allocate(), pool.allocate()
-    assert pool.register(a, 5)
-    assert not pool.register(b, 5)                      # hash already held by a
-    assert not pool.register(a, 6)                      # a already has a hash
-    assert pool.lookup(5) == a and pool.block_hash(b) is None
+    first = pool.register(a, _key(5))
+    assert first.handles == (a,)
+    assert pool.register(b, _key(5)) is first           # same content already cached by a
+    assert pool.register(a, _key(6)) is None            # a already caches other content
+    assert _cached(pool, 5) == a and pool.block_hash(b) is None
     pool.decref(b)
     assert pool.num_plain_free_blocks == 1              # unregistered block is plain free
     pool.decref(a)

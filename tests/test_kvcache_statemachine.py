@@ -8,6 +8,11 @@ deterministic function of the prompt's tokens ``0..p`` (and the layer), as it is
 decoder.  So whichever earlier sequence a prefix-cache hit came from, the hit positions must hold
 exactly that data, and a hit is only legal if some sequence wrote that token prefix before.
 Positions past the prompt, and sequences without token ids, get fresh random data.
+
+Hash collisions: half the runs start with the unit hash replaced by a constant, and the
+``weaken_hash`` rule does the same in the middle of a run, so every lookup lands in a bucket that
+also holds other prompts' units.  A hit is still only
+legal for a prefix some sequence wrote, and every gathered K/V must equal the shadow's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -38,6 +44,14 @@ from kvcache_cases import (
 )
 from vmkv import KVCacheFullError, StepSeq
 from vmkv.kernels.reference import attention_one_seq_ref
+from vmkv.kvcache import prefix as prefix_mod
+
+STRONG_HASH = prefix_mod.hash_unit
+
+
+def weak_hash(parent_hash: bytes, token_ids, extra: bytes) -> bytes:
+    """No hash at all: every unit of every prompt collides with every other."""
+    return bytes(prefix_mod.HASH_BYTES)
 
 NUM_HEADS = 4 * SPEC.num_kv_heads
 VOCAB = 4  # tiny vocabulary so prompts share prefixes
@@ -101,6 +115,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.written_prefixes: set[tuple] = set()
         self.prompts_seen: list[tuple] = []
         self._det: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        prefix_mod.hash_unit = STRONG_HASH
 
     # ------------------------------------------------------------------ data
     def det_kv(self, prefix: tuple, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,6 +312,17 @@ class KVCacheMachine(RuleBasedStateMachine):
             torch.testing.assert_close(out[start:start + e.num_new_tokens], ref, rtol=1e-5, atol=1e-5)
             start += e.num_new_tokens
 
+    @initialize(weak=st.booleans())
+    def choose_hash(self, weak: bool) -> None:
+        prefix_mod.hash_unit = weak_hash if weak else STRONG_HASH
+
+    @precondition(lambda self: prefix_mod.hash_unit is STRONG_HASH)
+    @rule()
+    def weaken_hash(self) -> None:
+        """Inject hash collisions from now on: units cached so far keep their strong hashes,
+        new lookups and registrations use a constant hash."""
+        prefix_mod.hash_unit = weak_hash
+
     # ------------------------------------------------------------------ invariants
     @invariant()
     def check_all(self) -> None:
@@ -328,6 +354,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.cache.free(sid)
             self.cache.check_integrity()
         finally:
+            prefix_mod.hash_unit = STRONG_HASH
             self.cache.close()
 
 

@@ -17,7 +17,7 @@ from vmkv.kvcache import (
     UnknownSequenceError,
     create_kv_cache,
 )
-from vmkv.kvcache.prefix import unit_hashes
+from vmkv.kvcache.prefix import unit_keys
 from vmkv.paged import PagedKVCache, TooManySequencesError
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float64)
@@ -302,8 +302,9 @@ def test_cached_free_blocks_revived_then_evicted_lru():
     # 24 tokens take the 5 plain free blocks, then evict cached block 2 (least recently freed)
     cache.allocate(3, 24)
     assert cache.block_table(3) == [4, 5, 6, 7, 3, 2]
-    assert cache.pool.lookup(unit_hashes(prompt, BS)[2]) is None
-    assert cache.pool.lookup(unit_hashes(prompt, BS)[1]) == 1
+    keys = unit_keys(prompt, BS)
+    assert cache.pool.block_hash(2) is None
+    assert [e.handles for e in cache.prefix.match(keys)] == [(0,), (1,)]
     # the prompt still hits blocks 0, 1 but needs 1 new block while only 0 and 1 are free
     snap = snapshot(cache)
     with pytest.raises(KVCacheFullError, match="needs 1 new blocks, 0 free") as err:

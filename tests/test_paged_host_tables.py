@@ -160,7 +160,7 @@ def test_decode_prepare_does_not_reregister():
     cache = make()
     cache.allocate(1, 8, list(range(8)))
     cache.prepare([StepSeq(1, 0, 8)])
-    assert cache._seqs[1].num_registered == 2
+    assert cache._seqs[1].prefix.num_registered == 2
     calls = []
     orig = cache.pool.register
     cache.pool.register = lambda *a: calls.append(a) or orig(*a)

@@ -269,6 +269,54 @@ def test_prefix_pages_survive_free_and_are_reclaimed_last(make, layout):
     c.check_integrity()
 
 
+def test_cached_prefix_outlives_its_slot_while_pages_are_free(make, layout):
+    """Issue 9: with 2 slots, both taken by other prompts after the prompt was freed, its cached
+    pages survive unmapped (cached free in the pool) while free pages exist; re-asking it hits
+    every full page, as the paged backend does, and maps them back."""
+    c = make(num_units=16, max_num_seqs=2)
+    ut = UT[layout]
+    n = 3 * ut + 1
+    prompt = list(range(n))
+    c.allocate(1, n, prompt)
+    data = _write_all(c, 1, 0, n, seed=20)
+    c.free(1)
+    for seq, base in ((2, 1000), (3, 2000)):   # the second one must take the prompt's slot
+        c.allocate(seq, n, [base + t for t in range(n)])
+        _write_all(c, seq, 0, n, seed=seq)
+    assert c.usage().free_tokens > 0
+    assert c.vmm_stats()["num_cached_free_pages"] == 3 * PPU[layout]
+    c.free(2)
+    c.free(3)
+    assert c.allocate(4, n, prompt) == 3 * ut
+    for layer, (k, v) in data.items():
+        gk, gv = c.gather(4, layer)
+        assert torch.equal(gk[:3 * ut], k[:3 * ut]) and torch.equal(gv[:3 * ut], v[:3 * ut])
+    assert c.vmm_stats()["num_prefix_evictions"] == 0
+    c.check_integrity()
+
+
+def test_cached_pages_evicted_lru_tail_first_only_when_nothing_else_is_free(make, layout):
+    c = make(num_units=8, max_num_seqs=3)
+    ut, ppu = UT[layout], PPU[layout]
+    n = 3 * ut + 1
+    prompt = list(range(n))
+    c.allocate(1, n, prompt)
+    data = _write_all(c, 1, 0, n, seed=21)
+    c.free(1)                                  # 4 kept units, 3 of them cached; 4 pool units
+    c.allocate(2, 5 * ut)                      # 4 pool units + the uncached kept unit: no eviction
+    stats = c.vmm_stats()
+    assert stats["num_reclaimed_pages"] == ppu and stats["num_prefix_evictions"] == 0
+    c.free(2)
+    c.allocate(3, 6 * ut)                      # one more unit: the cached chain loses its tail
+    assert c.vmm_stats()["num_prefix_evictions"] == 1
+    c.free(3)
+    assert c.allocate(4, n, prompt) == 2 * ut
+    for layer, (k, v) in data.items():
+        gk, gv = c.gather(4, layer)
+        assert torch.equal(gk[:2 * ut], k[:2 * ut]) and torch.equal(gv[:2 * ut], v[:2 * ut])
+    c.check_integrity()
+
+
 def test_usage_arithmetic(make, layout):
     c = make(num_units=16)
     ut, ppu = UT[layout], PPU[layout]

@@ -1,47 +1,383 @@
-"""Chained hashes of full prefix units, shared by both backends' prefix caches.
+"""Prefix caching shared by both backends: unit keys, chained hashes and the verified index.
 
-A unit (a paged block, or the tokens of a vmem page) is identified by
-``hash(parent_hash, token ids of the unit, extra_key)``, so equal hashes imply equal whole prefixes
-(vLLM's automatic prefix caching; Kwon et al., SOSP'23, section 4.4 "shared prefix").
+A *unit* (a paged block, or the pages at one page index of a vmem slot) that holds the K/V of
+``unit_tokens`` prompt tokens is identified by the chained hash ``sha256(parent hash, token ids of
+the unit, extra key)`` (vLLM's automatic prefix caching, Kwon et al., SOSP'23, section 4.4; 256-bit
+sha256 as vLLM uses since v0.10.2).  The hash is only the lookup key: a hash alone is never
+trusted.  Every cached unit keeps its token ids, its encoded extra key and its parent entry, and
+:meth:`PrefixIndex.match` accepts a hit only if the unit's tokens and extra key equal the request's
+and its parent is the entry the request matched one unit earlier, so a hit at unit ``i`` proves
+that the whole prefix ``0..i`` is identical.  A hit that fails the check is a miss; two units
+whose hashes collide simply live side by side in one bucket.
+
+The index deals in opaque, hashable *handles* (a block id; a page handle) and never in tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
-from typing import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
 
+__all__ = ["HASH_BYTES", "ROOT_HASH", "UnitKey", "PrefixEntry", "PrefixLookup", "PrefixChain",
+           "PrefixIndex", "encode_extra_key", "hash_unit", "unit_keys"]
+
+#: bytes of a unit hash (sha256)
+HASH_BYTES = 32
 #: parent hash of a sequence's first unit
-ROOT_HASH = 0
+ROOT_HASH = bytes(HASH_BYTES)
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def hash_unit(parent_hash: int, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
-    """Stable 64-bit hash of one full unit chained on its parent (blake2b; same across processes)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<Q", parent_hash & 0xFFFFFFFFFFFFFFFF))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra_key is not None:
-        h.update(repr(extra_key).encode())
-    return int.from_bytes(h.digest(), "little")
+# ---------------------------------------------------------------------------------------- encoding
+def _length(n: int) -> bytes:
+    return struct.pack("<Q", n)
 
 
-def unit_hashes(token_ids: Sequence[int], unit_tokens: int, extra_key: Hashable = None,
-                max_units: int | None = None) -> list[int]:
-    """Chained hashes of the full units of ``token_ids`` (``len // unit_tokens`` of them, or fewer).
+def _encode(value: object, out: list[bytes]) -> None:
+    # one tag byte per value, then a fixed-size or length-prefixed payload: no two values of
+    # different types or contents share an encoding (repr() would: 1 / True / "1" ...)
+    if value is None:
+        out.append(b"N")
+    elif isinstance(value, bool):
+        out.append(b"B\x01" if value else b"B\x00")
+    elif isinstance(value, int):
+        raw = value.to_bytes(max(1, (value.bit_length() + 8) // 8), "little", signed=True)
+        out += (b"I", _length(len(raw)), raw)
+    elif isinstance(value, float):
+        if math.isnan(value):
+            raise ValueError("extra_key must not contain NaN (it never equals itself)")
+        out += (b"F", struct.pack("<d", value))
+    elif isinstance(value, str):
+        raw = value.encode("utf-8", "surrogatepass")
+        out += (b"S", _length(len(raw)), raw)
+    elif isinstance(value, (bytes, bytearray)):
+        out += (b"Y", _length(len(value)), bytes(value))
+    elif isinstance(value, tuple):
+        out += (b"T", _length(len(value)))
+        for item in value:
+            _encode(item, out)
+    else:
+        raise TypeError(f"extra_key must be None, bool, int, float, str, bytes or a tuple of those, "
+                        f"got {type(value).__name__}; convert it to one of these (e.g. str)")
+
+
+def encode_extra_key(extra_key: Hashable) -> bytes:
+    """Canonical, typed, length-prefixed bytes of ``extra_key`` (``None`` -> ``b"N"``).
+
+    Two keys have equal encodings only if they have the same types and equal values, so
+    ``1``, ``True``, ``1.0`` and ``"1"`` are four different keys.
+
+    Raises:
+        TypeError: a type other than None, bool, int, float, str, bytes or tuple (of those).
+        ValueError: a NaN float.
+    """
+    out: list[bytes] = []
+    _encode(extra_key, out)
+    return b"".join(out)
+
+
+def hash_unit(parent_hash: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
+    """sha256 of one full unit chained on its parent (stable across processes and platforms).
+
+    The input is unambiguous: the 32-byte parent hash, the number of tokens, each token id as a
+    little-endian int64, then ``extra`` (an :func:`encode_extra_key` encoding, self-delimiting).
 
     Args:
-        token_ids: the prompt's token ids.
+        parent_hash: the previous unit's hash, :data:`ROOT_HASH` for the first unit.
+        token_ids: the unit's token ids, each in the int64 range.
+        extra: ``encode_extra_key(extra_key)``.
+    """
+    h = hashlib.sha256(parent_hash)
+    h.update(_length(len(token_ids)))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class UnitKey:
+    """What identifies one full unit of a request: its chained hash (the lookup key) and the
+    token ids and encoded extra key a hit is verified against."""
+
+    hash: bytes
+    token_ids: tuple[int, ...]
+    extra: bytes
+
+
+def unit_keys(token_ids: Sequence[int], unit_tokens: int, extra_key: Hashable = None,
+              max_units: int | None = None) -> list[UnitKey]:
+    """Keys of the full units of ``token_ids`` (``len // unit_tokens`` of them, or ``max_units``).
+
+    Args:
+        token_ids: the prompt's token ids (ints in the int64 range).
         unit_tokens: tokens per unit (> 0).
+        extra_key: salt of every unit (tenant, LoRA id ...), see :func:`encode_extra_key`.
         max_units: stop after this many units.
+    Raises:
+        ValueError: ``unit_tokens <= 0`` or a token id outside int64; TypeError: see
+        :func:`encode_extra_key`.
     """
     if unit_tokens <= 0:
         raise ValueError(f"unit_tokens must be > 0, got {unit_tokens}")
-    n = len(token_ids) // unit_tokens
+    extra = encode_extra_key(extra_key)
+    tokens = [int(t) for t in token_ids]
+    if tokens and not _INT64[0] <= min(tokens) <= max(tokens) <= _INT64[1]:
+        raise ValueError(f"token ids must be in the int64 range, got {min(tokens)}..{max(tokens)}")
+    n = len(tokens) // unit_tokens
     if max_units is not None:
         n = min(n, max_units)
-    out: list[int] = []
+    keys: list[UnitKey] = []
     parent = ROOT_HASH
     for i in range(n):
-        parent = hash_unit(parent, token_ids[i * unit_tokens:(i + 1) * unit_tokens], extra_key)
-        out.append(parent)
-    return out
+        unit = tuple(tokens[i * unit_tokens:(i + 1) * unit_tokens])
+        parent = hash_unit(parent, unit, extra)
+        keys.append(UnitKey(parent, unit, extra))
+    return keys
+
+
+# ---------------------------------------------------------------------------------------- the index
+class PrefixEntry:
+    """One cached unit: its key, its parent entry (``None`` for a first unit), its depth (unit
+    index in the prompt) and the backend's handles that hold its K/V."""
+
+    __slots__ = ("key", "parent", "depth", "handles", "children", "alive")
+
+    def __init__(self, key: UnitKey, parent: "PrefixEntry | None", handles: tuple) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.handles = handles
+        self.children: list[PrefixEntry] = []
+        self.alive = True
+
+    def __repr__(self) -> str:
+        return f"PrefixEntry({self.key.hash[:6].hex()}, depth {self.depth}, handles {self.handles})"
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """What :meth:`PrefixIndex.lookup` found for one request.
+
+    Attributes:
+        num_tokens: the request's prompt tokens.
+        unit_tokens: tokens per unit.
+        keys: keys of every full unit of the prompt (registered later, as their K/V is written).
+        hits: verified cached entries of the leading units, at most ``(num_tokens - 1) //
+            unit_tokens`` (the last prompt token is always computed).
+    """
+
+    num_tokens: int
+    unit_tokens: int
+    keys: list[UnitKey]
+    hits: list[PrefixEntry]
+
+    @property
+    def hit_tokens(self) -> int:
+        return len(self.hits) * self.unit_tokens
+
+
+class PrefixIndex:
+    """Verified prefix cache: chained hash -> entries, handle -> entry, and lookup statistics.
+
+    One index serves one cache.  A bucket holds every entry of one hash (normally one; more only
+    after a hash collision).  At most one entry exists per (parent, token ids, extra key): a second
+    registration of the same content returns the existing entry.  Dropping an entry (its handle is
+    evicted or overwritten) drops its descendants too: without their parent they can never be
+    matched again.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[bytes, list[PrefixEntry]] = {}
+        self._by_handle: dict[Hashable, PrefixEntry] = {}
+        self._num_entries = 0
+        #: prompt tokens looked up / found, counted once per successful allocate (:meth:`record`)
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        #: lookups whose hash matched an entry whose tokens, extra key or parent did not
+        self.num_collisions = 0
+
+    def __len__(self) -> int:
+        return self._num_entries
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, token_ids: Sequence[int], unit_tokens: int,
+               extra_key: Hashable = None) -> PrefixLookup:
+        """Keys of ``token_ids``'s full units and the verified hits among its leading units.
+
+        Changes nothing (statistics included: call :meth:`record` once the allocation succeeded).
+        """
+        keys = unit_keys(token_ids, unit_tokens, extra_key)
+        hits = self.match(keys[:(len(token_ids) - 1) // unit_tokens])
+        return PrefixLookup(len(token_ids), unit_tokens, keys, hits)
+
+    def match(self, keys: Sequence[UnitKey]) -> list[PrefixEntry]:
+        """Entries of the longest run of leading ``keys`` that are cached and verified: same hash,
+        same token ids, same extra key, and the parent is the entry matched for the previous key."""
+        hits: list[PrefixEntry] = []
+        parent = None
+        for key in keys:
+            bucket = self._buckets.get(key.hash)
+            if not bucket:
+                break
+            found = self._find(bucket, key, parent)
+            if found is None:
+                self.num_collisions += 1
+                break
+            hits.append(found)
+            parent = found
+        return hits
+
+    @staticmethod
+    def _find(bucket: list[PrefixEntry], key: UnitKey, parent: PrefixEntry | None) -> PrefixEntry | None:
+        for e in bucket:
+            if e.parent is parent and e.key.token_ids == key.token_ids and e.key.extra == key.extra:
+                return e
+        return None
+
+    def record(self, lookup: PrefixLookup) -> None:
+        """Count one lookup in the statistics (once per successful allocate)."""
+        self.num_query_tokens += lookup.num_tokens
+        self.num_hit_tokens += lookup.hit_tokens
+
+    # ------------------------------------------------------------------ registration
+    def register(self, key: UnitKey, parent: PrefixEntry | None, handles: tuple) -> PrefixEntry | None:
+        """Cache the unit ``key`` (whose prefix is ``parent``'s) as held by ``handles``.
+
+        Returns:
+            The entry now caching that content: the new one, or an existing one with the same
+            parent, token ids and extra key (then ``handles`` stay uncached).  ``None`` if
+            nothing can be cached: ``parent`` was dropped (the chain is broken), or a handle
+            already caches other content.
+        """
+        if parent is not None and not parent.alive:
+            return None
+        bucket = self._buckets.get(key.hash)
+        same = self._find(bucket, key, parent) if bucket else None
+        held = [self._by_handle.get(h) for h in handles]
+        if any(e is not None for e in held):
+            return same if same is not None and all(e is same for e in held) else None
+        if same is not None:
+            return same
+        entry = PrefixEntry(key, parent, tuple(handles))
+        self._buckets.setdefault(key.hash, []).append(entry)
+        for h in entry.handles:
+            self._by_handle[h] = entry
+        if parent is not None:
+            parent.children.append(entry)
+        self._num_entries += 1
+        return entry
+
+    # ------------------------------------------------------------------ queries, removal
+    def entry_of(self, handle: Hashable) -> PrefixEntry | None:
+        return self._by_handle.get(handle)
+
+    def is_cached(self, handle: Hashable) -> bool:
+        return handle in self._by_handle
+
+    def handles(self) -> set:
+        """Every handle holding a cached unit."""
+        return set(self._by_handle)
+
+    def drop(self, handle: Hashable) -> list:
+        """Forget the entry holding ``handle`` and all its descendants (their content changes or
+        is freed).  Returns every handle that lost its entry (``[]`` if ``handle`` had none)."""
+        entry = self._by_handle.get(handle)
+        if entry is None:
+            return []
+        if entry.parent is not None and entry.parent.alive:
+            entry.parent.children.remove(entry)
+        dropped: list = []
+        stack = [entry]
+        while stack:
+            e = stack.pop()
+            e.alive = False
+            bucket = self._buckets[e.key.hash]
+            bucket.remove(e)
+            if not bucket:
+                del self._buckets[e.key.hash]
+            for h in e.handles:
+                del self._by_handle[h]
+            dropped += e.handles
+            self._num_entries -= 1
+            stack += e.children
+            e.children = []
+        return dropped
+
+    def clear(self) -> int:
+        """Forget every entry (statistics stay).  Returns how many were dropped."""
+        n = self._num_entries
+        for bucket in self._buckets.values():
+            for e in bucket:
+                e.alive = False
+                e.children = []
+        self._buckets.clear()
+        self._by_handle.clear()
+        self._num_entries = 0
+        return n
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` naming the numbers if buckets, handles and links disagree."""
+        count = 0
+        for h, bucket in self._buckets.items():
+            if not bucket:
+                raise AssertionError(f"empty prefix bucket {h[:6].hex()}")
+            for e in bucket:
+                count += 1
+                if not e.alive or e.key.hash != h:
+                    raise AssertionError(f"{e} in bucket {h[:6].hex()}: alive {e.alive}")
+                if e.parent is not None and (not e.parent.alive or e not in e.parent.children):
+                    raise AssertionError(f"{e}: parent {e.parent} dropped or not linked")
+                for handle in e.handles:
+                    if self._by_handle.get(handle) is not e:
+                        raise AssertionError(f"handle {handle} of {e} maps to "
+                                             f"{self._by_handle.get(handle)!r}")
+        if count != self._num_entries:
+            raise AssertionError(f"prefix index: {count} entries in buckets, {self._num_entries} counted")
+        total = sum(len(e.handles) for b in self._buckets.values() for e in b)
+        if total != len(self._by_handle):
+            raise AssertionError(f"prefix index: {total} handles in entries, {len(self._by_handle)} mapped")
+
+
+class PrefixChain:
+    """One sequence's prefix-cache registration state: its prompt's unit keys, how many leading
+    units are cached (hit at allocate or registered since) and the entry of the last one.
+
+    Args:
+        keys: the prompt's unit keys (:attr:`PrefixLookup.keys`).
+        hits: the entries found at allocate (:attr:`PrefixLookup.hits`).
+    """
+
+    __slots__ = ("keys", "tail", "num_registered")
+
+    def __init__(self, keys: Sequence[UnitKey] = (), hits: Sequence[PrefixEntry] = ()) -> None:
+        self.keys = keys
+        self.tail: PrefixEntry | None = hits[-1] if hits else None
+        self.num_registered = len(hits)
+
+    @property
+    def done(self) -> bool:
+        """Nothing left to register (every unit is, or the chain broke)."""
+        return self.num_registered >= len(self.keys)
+
+    def copy(self) -> "PrefixChain":
+        c = PrefixChain(self.keys)
+        c.tail, c.num_registered = self.tail, self.num_registered
+        return c
+
+    def register_upto(self, num_units: int,
+                      register: Callable[[UnitKey, PrefixEntry | None, int], PrefixEntry | None]) -> None:
+        """Register units ``[num_registered, num_units)`` in order through
+        ``register(key, parent, unit index)`` (a backend hook around :meth:`PrefixIndex.register`);
+        stops for good when a registration returns ``None`` (the chain is broken)."""
+        end = min(num_units, len(self.keys))
+        while self.num_registered < end:
+            entry = register(self.keys[self.num_registered], self.tail, self.num_registered)
+            if entry is None:
+                self.num_registered = len(self.keys)
+                return
+            self.tail = entry
+            self.num_registered += 1

@@ -8,7 +8,14 @@ freed slots (deferred reclamation: a new request that takes the slot reuses them
 call) and the units of a live slot beyond ``claimed``.  A page is **reclaimable** when none of its
 mappings is claimed; reclaiming unmaps all its mappings (after the fence each slot recorded at
 free time has completed: unmapping memory a kernel still reads is fatal on CUDA) and returns it to
-the pool.  Reclamation takes pages without a prefix-cache entry first, then least recently used.
+the pool.
+
+Prefix-cached pages (a unit registered in the verified prefix index) outlive their mappings: an
+unmapped cached page stays **cached free** in the pool, and a later hit maps it again.  A kept
+cached page that a new occupant (or growth) of its slot would overwrite is moved out (unmapped,
+still cached) while plain pages can replace it.  When the pool runs short, pages are taken in this
+order (as the paged block pool does): plain pool pages, kept pages without a prefix entry, then
+the least recently used cached pages (kept or cached free), whose entries are dropped (eviction).
 
 Pages are mapped in **batches**: every operation that maps several pages of a slot at once (occupy,
 grow, share, look-ahead, prefetch) maps them without access and then grants access with one
@@ -28,10 +35,10 @@ import logging
 import time
 from typing import Iterable, Sequence
 
+from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.driver import VMMDriver
 from vmkv.vmem.layout import VMemLayout
 from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError
-from vmkv.vmem.prefix_index import PrefixIndex
 
 __all__ = ["SlotMapper", "Slot"]
 
@@ -75,12 +82,14 @@ class SlotMapper:
     Args:
         driver: the VMM driver.
         layout: reservation and unit arithmetic.
-        pool: physical pages (reference count = number of mappings).
-        prefix: prefix-cache entries (dropped when a page is reclaimed or overwritten).
+        pool: physical pages (reference count = number of mappings); its prefix index is ``prefix``.
+        prefix: prefix-cache entries, handles are pages (dropped when a page is evicted or
+            overwritten).
     """
 
     def __init__(self, driver: VMMDriver, layout: VMemLayout, pool: PagePool, prefix: PrefixIndex) -> None:
         self.driver, self.layout, self.pool, self.prefix = driver, layout, pool, prefix
+        assert pool.prefix is prefix, "the page pool and the mapper must share one prefix index"
         self.num_res = layout.num_reservations
         self.bases: list[int] = []
         try:
@@ -95,7 +104,9 @@ class SlotMapper:
         self._pos: dict[int, tuple[int, int]] = {}   # page -> (reservation, unit): fixed while mapped
         self._where: dict[int, set[int]] = {}        # page -> slots it is mapped in
         self._live: dict[int, int] = {}              # page -> claimed mappings
-        self._last_use: dict[int, int] = {}          # page -> tick it was last unclaimed or mapped
+        # page -> tick it was last unclaimed or mapped (kept for unmapped pages too: cached free
+        # pages are evicted by it; at most one entry per created page)
+        self._last_use: dict[int, int] = {}
         self._reclaimable: set[int] = set()
         self._tick = 0
         # per page: batch wall time / pages in the batch; per batch: wall time and page count
@@ -106,6 +117,7 @@ class SlotMapper:
         self.num_maps = self.num_unmaps = self.num_reclaimed_pages = self.num_cow_copies = 0
         self.num_fence_waits = self.num_map_batches = self.num_set_access_calls = 0
         self.num_prefetched_pages = 0
+        self.num_prefix_evictions = 0
 
     # ------------------------------------------------------------------ primitives
     def va(self, res: int, slot: int, unit: int) -> int:
@@ -142,6 +154,8 @@ class SlotMapper:
         if not items:
             return
         for unit, res, page in items:
+            # internal invariant: a shared page sits at one (reservation, unit) in every slot (prefix
+            # hits are verified down to their chain position, so a hit's unit is its depth)
             pos = self._pos.get(page)
             assert pos is None or pos == (res, unit), f"page {page} is at {pos}, cannot map at {(res, unit)}"
             assert slot.page(unit, res) is None, f"slot {slot.index} unit {unit} res {res} is mapped"
@@ -195,9 +209,8 @@ class SlotMapper:
             del slot.units[unit]
         self._where[page].discard(slot.index)
         self._live[page] -= self._is_claimed(slot, unit)
-        if self.pool.decref(page) == 0:
-            self.prefix.drop_page(page)
-            for table in (self._pos, self._where, self._live, self._last_use):
+        if self.pool.decref(page) == 0:       # back to the pool: cached free if it has an entry
+            for table in (self._pos, self._where, self._live):
                 del table[page]
             self._reclaimable.discard(page)
         else:
@@ -235,44 +248,101 @@ class SlotMapper:
     def _needs_fresh(self, page: int | None) -> bool:
         return page is None or self.pool.refcount(page) > 1
 
+    def _is_cached_kept(self, page: int | None) -> bool:
+        """A page mapped only here that holds a prefix-cache unit (moved out before an overwrite)."""
+        return page is not None and self.pool.refcount(page) == 1 and self.prefix.is_cached(page)
+
+    def _forget(self, page: int) -> None:
+        """Drop the prefix entry of ``page`` (and of its descendants): its content is about to
+        change or it is evicted."""
+        self.pool.forget(page)
+
     # ------------------------------------------------------------------ capacity
     def available_pages(self) -> int:
         """Pages an operation could obtain: pool pages + reclaimable kept pages."""
         return self.pool.num_available + len(self._reclaimable)
 
+    def _eviction_order(self, candidates: Iterable[int]) -> list[int]:
+        """Pages without a prefix entry first, then least recently used; among pages used at the
+        same tick, the deepest prefix unit first (a chain is evicted from its tail, as the paged
+        backend frees a sequence's blocks tail first)."""
+        def key(p: int):
+            entry = self.prefix.entry_of(p)
+            return (entry is not None, self._last_use[p], -entry.depth if entry else 0, p)
+        return sorted(candidates, key=key)
+
     def reclaim(self, num_pages: int, exclude: frozenset = frozenset()) -> int:
-        """Unmap reclaimable pages (unhashed first, then least recently used; never those in
-        ``exclude``) until ``num_pages`` returned to the pool.  Returns the number returned."""
-        order = sorted(self._reclaimable - exclude,
-                       key=lambda p: (self.prefix.is_hashed(p), self._last_use[p], p))
-        freed = 0
-        for page in order:
-            if freed >= num_pages:
+        """Make ``num_pages`` more pool pages plain available: unmap reclaimable kept pages without
+        a prefix entry, then evict the least recently used cached pages (cached free pool pages,
+        or reclaimable kept ones, unmapped); never a page in ``exclude``.  Returns the number of
+        pages made available."""
+        start = self.pool.num_plain_available
+        target = start + num_pages
+        reclaimed = evicted = 0
+        for page in self._eviction_order((self._reclaimable | self.pool.cached_pages()) - exclude):
+            if self.pool.num_plain_available >= target:
                 break
-            res, unit = self._pos[page]
-            for s in sorted(self._where[page]):
-                slot = self.slots[s]
-                self._wait_slot(slot)
-                self._unmap(slot, unit, res)
-            freed += 1
-        self.num_reclaimed_pages += freed
-        if freed:
-            logger.debug("reclaimed %d kept pages", freed)
-        return freed
+            if self.pool.is_cached_free(page):
+                self.pool.evict(page)
+                evicted += 1
+            elif page in self._reclaimable:
+                if self.prefix.is_cached(page):
+                    self._forget(page)
+                    evicted += 1
+                res, unit = self._pos[page]
+                for s in sorted(self._where[page]):
+                    slot = self.slots[s]
+                    self._wait_slot(slot)
+                    self._unmap(slot, unit, res)
+                reclaimed += 1
+            # else: an eviction above dropped its entry and made it plain free already
+        self.num_reclaimed_pages += reclaimed
+        self.num_prefix_evictions += evicted
+        if reclaimed or evicted:
+            logger.debug("reclaimed %d kept pages, evicted %d cached prefix units", reclaimed, evicted)
+        return self.pool.num_plain_available - start
 
     def _ensure_pool(self, num_pages: int, exclude: frozenset = frozenset()) -> None:
-        short = num_pages - self.pool.num_available
+        short = num_pages - self.pool.num_plain_available
         if short > 0:
             self.reclaim(short, exclude)
-        if self.pool.num_available < num_pages:
+        if self.pool.num_plain_available < num_pages:
             raise PagePoolExhaustedError(
-                f"needed {num_pages} pages, {self.pool.num_available} available after reclaiming "
-                f"(plan/execute mismatch)")
+                f"needed {num_pages} pages, {self.pool.num_plain_available} available after "
+                f"reclaiming (plan/execute mismatch)")
+
+    def _move_out_cached(self, slot: Slot, units: Sequence[int], exclude: frozenset = frozenset()) -> None:
+        """Units ``units`` of ``slot`` are about to be claimed and overwritten (shared pages already
+        unmapped).  Their kept pages that hold a prefix-cache unit move out: unmapped, they stay
+        cached free in the pool and fresh pages take their place.  But when the pool would have to
+        evict cached pages anyway, those of them that are least recently used are overwritten in
+        place (evicted here: no unmap, no map).  ``exclude``: prefix-hit pages being mapped."""
+        cached = [(u, r, p) for u in units for r, p in enumerate(slot.units.get(u, ()))
+                  if self._is_cached_kept(p)]
+        if not cached:
+            return
+        staying = {p for u in units for p in slot.units.get(u, ()) if p is not None}
+        holes = sum(1 for u in units for r in range(self.num_res) if slot.page(u, r) is None)
+        need = holes + len(cached)
+        others = self._reclaimable - exclude - staying
+        plain = self.pool.num_plain_available + sum(1 for p in others if not self.prefix.is_cached(p))
+        if need > plain:
+            candidates = (others | self.pool.cached_pages() | {p for *_, p in cached}) - exclude
+            victims = set(self._eviction_order(p for p in candidates if self.prefix.is_cached(p))[:need - plain])
+            for *_, p in cached:
+                if p in victims and self.prefix.is_cached(p):
+                    self._forget(p)
+                    self.num_prefix_evictions += 1
+        for u, r, p in cached:
+            if self.prefix.is_cached(p):
+                self._wait_slot(slot)
+                self._unmap(slot, u, r)
 
     def _fill_holes(self, slot: Slot, units: Iterable[int], given=None) -> int:
         """Map every hole of ``units`` of ``slot`` in one batch: ``given(unit, res)`` (a prefix-hit or
-        parent page) where it returns a page, else a fresh pool page (reclaiming kept pages, never a
-        given one, if the pool is short).  Returns the number of pages mapped."""
+        parent page, mapped or cached free) where it returns a page, else a fresh pool page
+        (reclaiming kept pages, never a given one, if the pool is short).  Returns the number of
+        pages mapped."""
         items: list[tuple[int, int, int | None]] = []
         for u in units:
             for r in range(self.num_res):
@@ -281,10 +351,13 @@ class SlotMapper:
         if not items:
             return 0
         num_fresh = sum(1 for *_, p in items if p is None)
-        if num_fresh:
-            self._ensure_pool(num_fresh, frozenset(p for *_, p in items if p is not None))
-        acquired: list[int] = []
+        # cached free hits leave the pool first, so that reclaiming cannot evict them
+        acquired = [p for *_, p in items if p is not None and self.pool.is_cached_free(p)]
+        for p in acquired:
+            self.pool.revive(p)
         try:
+            if num_fresh:
+                self._ensure_pool(num_fresh, frozenset(p for *_, p in items if p is not None))
             for i, (u, r, p) in enumerate(items):
                 if p is None:
                     p = self.pool.acquire()
@@ -305,8 +378,9 @@ class SlotMapper:
             for r in range(self.num_res):
                 cur = slot.page(u, r)
                 if u < len(hits):
-                    if hits[u][r] in self._reclaimable:
-                        leaving.add(hits[u][r])     # becomes claimed
+                    hit = hits[u][r]
+                    if hit in self._reclaimable or self.pool.is_cached_free(hit):
+                        leaving.add(hit)            # becomes claimed
                 elif self._needs_fresh(cur):
                     fresh += 1                      # a hole, or a shared kept page to replace
                 else:
@@ -316,7 +390,8 @@ class SlotMapper:
     def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> None:
         """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed: units
         ``[0, len(hits))`` map the prefix-hit pages, the rest reuse the slot's kept unshared pages
-        or get fresh ones."""
+        without a prefix entry or get fresh ones (kept cached pages move out, see
+        :meth:`_move_out_cached`)."""
         assert slot.is_free, f"slot {slot.index} is live"
         slot.seq_id = seq_id
         for u in range(num_units):
@@ -328,10 +403,8 @@ class SlotMapper:
                 if not keep:
                     self._wait_slot(slot)
                     self._unmap(slot, u, r)
-        for u in range(len(hits), num_units):     # reused pages will be overwritten
-            for p in slot.units.get(u, ()):
-                if p is not None:
-                    self.prefix.drop_page(p)
+        self._move_out_cached(slot, range(len(hits), num_units),
+                              frozenset(p for pages in hits for p in pages))
         self._set_claimed(slot, num_units)
         try:
             # hit pages and fresh pages in one batch: adjacent units share one set_access
@@ -357,17 +430,15 @@ class SlotMapper:
 
     def _claim_units(self, slot: Slot, old: int, end: int) -> None:
         """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped
-        (after the slot's fence), kept unshared pages are reused (their prefix entries dropped, they
-        will be overwritten), holes get fresh pages in one batch; on failure the claim is undone."""
+        (after the slot's fence), kept cached pages move out (:meth:`_move_out_cached`), other kept
+        pages are reused, holes get fresh pages in one batch; on failure the claim is undone."""
         for u in range(old, end):
             for r in range(self.num_res):
                 cur = slot.page(u, r)
                 if cur is not None and self.pool.refcount(cur) > 1:
                     self._wait_slot(slot)
                     self._unmap(slot, u, r)
-            for p in slot.units.get(u, ()):
-                if p is not None:
-                    self.prefix.drop_page(p)
+        self._move_out_cached(slot, range(old, end))
         self._set_claimed(slot, end)
         try:
             self._fill_holes(slot, range(old, end))
@@ -416,7 +487,7 @@ class SlotMapper:
                 if self.pool.refcount(page) > 1:
                     self._cow(slot, u, r, copy)
                 else:
-                    self.prefix.drop_page(page)
+                    self._forget(page)
 
     def _cow(self, slot: Slot, unit: int, res: int, copy: bool) -> None:
         old = slot.page(unit, res)
@@ -468,13 +539,14 @@ class SlotMapper:
         slot.free_tick = self._tick
 
     def map_ahead(self, slot: Slot, num_units: int) -> None:
-        """Best effort: claim units up to ``num_units`` from kept pages or the pool (no reclaiming);
-        the holes of all those units are mapped in one batch."""
+        """Best effort: claim units up to ``num_units`` from kept pages or plain pool pages (no
+        reclaiming, no eviction); the holes of all those units are mapped in one batch."""
         old = slot.claimed
-        budget = self.pool.num_available
+        budget = self.pool.num_plain_available
         end = old
         for u in range(old, min(num_units, self.layout.pages_per_slot)):
-            need = sum(1 for r in range(self.num_res) if self._needs_fresh(slot.page(u, r)))
+            need = sum(1 for r in range(self.num_res)
+                       if self._needs_fresh(p := slot.page(u, r)) or self._is_cached_kept(p))
             if need > budget:
                 break
             budget -= need
@@ -495,7 +567,7 @@ class SlotMapper:
             The number of pages mapped.
         """
         assert not slot.is_free, f"slot {slot.index} is free"
-        budget = self.pool.num_available
+        budget = self.pool.num_plain_available
         end = slot.claimed
         for u in range(slot.claimed, min(num_units, self.layout.pages_per_slot)):
             pages = slot.units.get(u, ())
@@ -534,6 +606,8 @@ class SlotMapper:
             "unmap_us_p50": _percentile(self.unmap_us, 50),
             "unmap_us_p99": _percentile(self.unmap_us, 99),
             "num_reclaimed_pages": self.num_reclaimed_pages,
+            "num_prefix_evictions": self.num_prefix_evictions,
+            "num_cached_free_pages": len(self.pool.cached_pages()),
             "num_cow_copies": self.num_cow_copies,
             "num_fence_waits": self.num_fence_waits,
             "num_pages_created": self.pool.num_created,
@@ -581,15 +655,24 @@ class SlotMapper:
                                  f"{self.driver.num_mappings}")
         if self.pool.num_in_use != len(refs):
             raise AssertionError(f"pool has {self.pool.num_in_use} pages in use, {len(refs)} mapped")
-        stray = self.prefix.hashed_pages() - set(refs)
+        stray = self.prefix.handles() - set(refs) - self.pool.cached_pages()
         if stray:
-            raise AssertionError(f"prefix entries name {len(stray)} unmapped pages")
+            raise AssertionError(f"prefix entries name {len(stray)} pages neither mapped nor cached free")
+        for p in refs:
+            entry = self.prefix.entry_of(p)
+            if entry is not None and (entry.depth, entry.handles.index(p)) != self._pos[p][::-1]:
+                raise AssertionError(f"page {p} mapped at (reservation, unit) {self._pos[p]} caches "
+                                     f"unit {entry.depth}, reservation {entry.handles.index(p)}")
+        missing = (self.pool.cached_pages() | set(refs)) - self._last_use.keys()
+        if missing:
+            raise AssertionError(f"pages {sorted(missing)} have no last-use tick")
         self.pool.check_integrity()
         self.prefix.check_integrity()
 
     def close(self) -> None:
         """Unmap everything (after all queued work), release the pages and the reservations."""
         self._sync()
+        self.prefix.clear()
         for slot in self.slots:
             slot.claimed = 0
             slot.seq_id = None
@@ -597,7 +680,6 @@ class SlotMapper:
                 for r in range(self.num_res):
                     if slot.page(u, r) is not None:
                         self._unmap(slot, u, r)
-        self.prefix.clear()
         self.base_tensors = []
         self.pool.close()
         for va in self.bases:

@@ -2,12 +2,19 @@
 
 A page's reference count is the number of slot positions it is mapped at (fork and prefix sharing map
 one page into several slots; vAttention, Prabhu et al., ASPLOS'25, keeps physical pages in a pool and
-reuses them across requests instead of freeing them).  A page whose count drops to zero goes back to
-the free list (it stays created; only :meth:`PagePool.close` releases pages to the driver).
+reuses them across requests instead of freeing them).  A page whose count drops to zero stays created
+(only :meth:`PagePool.close` releases pages to the driver) and goes back to one of two free tiers, as
+the paged block pool does:
+
+* **plain free**: no prefix-cache entry; handed out first.
+* **cached free**: it still holds a unit cached in the prefix index, so a later request with that
+  prefix can map it again (:meth:`revive`).  Evicted (:meth:`evict`, entry dropped) only when no
+  plain page is left; the mapper picks the least recently used one.
 """
 
 from __future__ import annotations
 
+from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.driver import VMMDriver
 
 __all__ = ["PagePool", "PagePoolExhaustedError"]
@@ -24,14 +31,18 @@ class PagePool:
         driver: creates and releases the pages.
         max_pages: the budget (``memory_bytes // page_size_bytes``), > 0.
         preallocate: create all pages now (keeps cuMemCreate off the step's path) instead of lazily.
+        prefix: the prefix index whose handles are pages (a new one if ``None``).
     """
 
-    def __init__(self, driver: VMMDriver, max_pages: int, preallocate: bool = False) -> None:
+    def __init__(self, driver: VMMDriver, max_pages: int, preallocate: bool = False,
+                 prefix: PrefixIndex | None = None) -> None:
         if max_pages <= 0:
             raise ValueError(f"max_pages must be > 0, got {max_pages}")
         self.driver = driver
         self.max_pages = int(max_pages)
+        self.prefix = PrefixIndex() if prefix is None else prefix
         self._free: list[int] = []
+        self._cached: set[int] = set()         # cached free pages (refcount 0, content kept)
         self._refcount: dict[int, int] = {}   # page -> mappings (0 while acquired, not yet mapped)
         self._num_created = 0
         if preallocate:
@@ -45,49 +56,94 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        """Created pages on the free list."""
+        """Created pages on the plain free list."""
         return len(self._free)
 
     @property
-    def num_available(self) -> int:
-        """Pages :meth:`acquire` can still hand out (free list + not yet created)."""
+    def num_plain_available(self) -> int:
+        """Pages :meth:`acquire` can hand out without evicting a cached one (plain free list +
+        not yet created)."""
         return len(self._free) + self.max_pages - self._num_created
+
+    @property
+    def num_available(self) -> int:
+        """Pages obtainable: plain available + cached free (evictable)."""
+        return self.num_plain_available + len(self._cached)
+
+    def cached_pages(self) -> set[int]:
+        """Copy of the cached free pages."""
+        return set(self._cached)
+
+    def is_cached_free(self, page: int) -> bool:
+        return page in self._cached
 
     @property
     def num_in_use(self) -> int:
         return len(self._refcount)
 
     def acquire(self) -> int:
-        """Take a page (count 0; the caller maps it and calls :meth:`incref`, or :meth:`give_back`)."""
+        """Take a plain page (count 0; the caller maps it and calls :meth:`incref`, or
+        :meth:`give_back`).  Never evicts a cached page: :meth:`evict` first."""
         if self._free:
             page = self._free.pop()
         elif self._num_created < self.max_pages:
             page = self.driver.create_page()
             self._num_created += 1
         else:
-            raise PagePoolExhaustedError(f"all {self.max_pages} pages are in use")
+            raise PagePoolExhaustedError(f"all {self.max_pages} pages are in use or cached "
+                                         f"({len(self._cached)} cached free)")
         self._refcount[page] = 0
         return page
 
+    def revive(self, page: int) -> None:
+        """Take cached free ``page`` to map it again (count 0, like :meth:`acquire`)."""
+        if page not in self._cached:
+            raise ValueError(f"page {page} is not a cached free page")
+        self._cached.remove(page)
+        self._refcount[page] = 0
+
     def give_back(self, page: int) -> None:
-        """Return an acquired page that was never mapped."""
+        """Return an acquired (or revived) page that was never mapped."""
         if self._refcount.get(page) != 0:
             raise ValueError(f"page {page} is not an acquired, unmapped page")
         del self._refcount[page]
-        self._free.append(page)
+        self._release_to_tier(page)
+
+    def _release_to_tier(self, page: int) -> None:
+        if self.prefix.is_cached(page):
+            self._cached.add(page)
+        else:
+            self._free.append(page)
+
+    def evict(self, page: int) -> None:
+        """Turn cached free ``page`` plain free, dropping its prefix entry (see :meth:`forget`)."""
+        if page not in self._cached:
+            raise ValueError(f"page {page} is not a cached free page")
+        self.forget(page)
+
+    def forget(self, page: int) -> list[int]:
+        """Drop the prefix entry holding ``page`` and its descendants (the content changes or is
+        evicted); their cached free pages become plain free.  Returns the pages that lost an entry."""
+        dropped = self.prefix.drop(page)
+        for p in dropped:
+            if p in self._cached:
+                self._cached.remove(p)
+                self._free.append(p)
+        return dropped
 
     def incref(self, page: int) -> int:
         self._refcount[page] += 1
         return self._refcount[page]
 
     def decref(self, page: int) -> int:
-        """Drop one reference; at zero the page returns to the free list.  Returns the new count."""
+        """Drop one reference; at zero the page becomes cached free (it holds a prefix-cache unit)
+        or plain free.  Returns the new count."""
         count = self._refcount[page] - 1
         if count < 0:
             raise AssertionError(f"page {page} reference count would go negative")
         if count == 0:
             del self._refcount[page]
-            self._free.append(page)
+            self._release_to_tier(page)
         else:
             self._refcount[page] = count
         return count
@@ -103,16 +159,27 @@ class PagePool:
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError(f"free list has duplicates: {len(self._free)} entries, {len(free)} distinct")
-        if free & self._refcount.keys():
-            raise AssertionError(f"pages both free and in use: {sorted(free & self._refcount.keys())}")
-        if len(free) + len(self._refcount) != self._num_created:
-            raise AssertionError(f"free {len(free)} + in use {len(self._refcount)} != created "
-                                 f"{self._num_created}")
+        for name, tier in (("plain free", free), ("cached free", self._cached)):
+            if tier & self._refcount.keys():
+                raise AssertionError(f"pages both {name} and in use: {sorted(tier & self._refcount.keys())}")
+        if free & self._cached:
+            raise AssertionError(f"pages both plain and cached free: {sorted(free & self._cached)}")
+        if len(free) + len(self._cached) + len(self._refcount) != self._num_created:
+            raise AssertionError(f"plain free {len(free)} + cached free {len(self._cached)} + in use "
+                                 f"{len(self._refcount)} != created {self._num_created}")
+        hashed = self.prefix.handles()
+        if self._cached - hashed:
+            raise AssertionError(f"cached free pages {sorted(self._cached - hashed)} have no prefix entry")
+        if free & hashed:
+            raise AssertionError(f"plain free pages {sorted(free & hashed)} still have a prefix entry")
 
     def close(self) -> None:
         """Release every created page (all must be unmapped)."""
         if self._refcount:
             raise AssertionError(f"{len(self._refcount)} pages still in use at close")
+        self.prefix.clear()
+        self._free.extend(self._cached)
+        self._cached.clear()
         for page in self._free:
             self.driver.release(page)
         self._free.clear()

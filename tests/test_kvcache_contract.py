@@ -604,6 +604,67 @@ def test_prefix_hit_is_copy_on_write(cache, gen):
     cache.check_integrity()
 
 
+def test_cached_prefix_survives_other_requests_while_memory_is_free(cache, gen):
+    """Issue 9: asked, freed, other requests (sharing its first unit, or nothing, alone and two at
+    a time) come and go with free memory left; re-asking the prompt hits every full unit."""
+    unit = _prefix_unit(cache)
+    n = min(cache.max_model_len, 3 * unit + 1)
+    full = (n - 1) // unit * unit
+    prompt = torch.randint(0, 1000, (n,), generator=gen).tolist()
+    cache.allocate(1, n, token_ids=prompt)
+    a = _prefill(cache, 1, n, gen)
+    cache.free(1)
+    sid = 2
+
+    def ask(*tails):
+        nonlocal sid
+        ids = []
+        for tail in tails:
+            tokens = (prompt[:unit] + tail)[:n] if tail[0] >= 0 else [t + 5000 for t in tail[1:]][:n]
+            hit = cache.allocate(sid, len(tokens), token_ids=tokens)
+            _prefill(cache, sid, len(tokens), gen, start=hit)
+            ids.append(sid)
+            sid += 1
+        assert cache.usage().free_tokens > 0
+        for s in ids:
+            cache.free(s)
+
+    other = [torch.randint(0, 1000, (n,), generator=gen).tolist() for _ in range(4)]
+    ask(other[0])                                    # shares the first unit
+    ask([-1] + other[1])                             # shares nothing
+    ask(other[2], [-1] + other[3])                   # two at a time
+    ask(other[3])
+    u0 = cache.usage()
+    assert cache.allocate(sid, n, token_ids=prompt) == full
+    assert cache.usage().prefix_hit_tokens - u0.prefix_hit_tokens == full
+    assert_data(cache, sid, [(k[:full], v[:full]) for k, v in a])
+    cache.check_integrity()
+
+
+def test_failed_allocate_counts_no_prefix_lookup(cache, gen):
+    """A lookup is counted once per successful allocate: one that raises KVCacheFullError (after
+    finding hits) changes nothing, statistics included; the retry that succeeds counts once."""
+    unit = _prefix_unit(cache)
+    n = min(cache.max_model_len, 2 * unit + 1)
+    prompt = torch.randint(0, 1000, (n,), generator=gen).tolist()
+    cache.allocate(1, n, token_ids=prompt)
+    _prefill(cache, 1, n, gen)
+    fill(cache, gen)
+    snap = snapshot(cache, [1])
+    for attempt in range(3):
+        with pytest.raises(KVCacheFullError):
+            cache.allocate(2, n, token_ids=prompt)
+        assert_unchanged(cache, snap, extra_absent=[2])
+    cache.free(100)
+    u0 = cache.usage()
+    hit = cache.allocate(2, n, token_ids=prompt)
+    assert hit == (n - 1) // unit * unit
+    u1 = cache.usage()
+    assert (u1.prefix_query_tokens - u0.prefix_query_tokens, u1.prefix_hit_tokens - u0.prefix_hit_tokens) \
+        == (n, hit)
+    cache.check_integrity()
+
+
 # ----------------------------------------------------------------------------- per-step path
 def _check_attention(cache, meta, q_by_layer, gen, scale=None):
     """attention() equals the per-sequence reference on gathered K/V, for every layer."""

@@ -124,3 +124,35 @@ def check_attention_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache
             f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads} (GQA)"
         )
     return num_heads // num_kv_heads
+
+
+def launch_base(name: str, cache: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The pointer argument a launch passes for the cache view ``cache``, and the element offset the
+    kernel adds to it to reach ``cache``'s first element.
+
+    Triton's launcher asks the driver about every pointer argument and rejects an address inside a
+    reserved but unmapped virtual range ("Pointer argument ... cannot be accessed from Triton").  A
+    vmem view's first element (slot 0, position 0) is such an address whenever slot 0 holds no page,
+    so the vmem cache passes an ``anchor``: an element of a page that stays mapped (the guard page at
+    the start of the view's reservation).  Without an anchor this is ``(cache, 0)``.
+
+    Args:
+        name: ``"key_cache"`` or ``"value_cache"`` (error messages).
+        cache: the ``[dim0, dim1, H, D]`` view.
+        anchor: ``None`` or a tensor of ``cache.dtype`` on its device whose ``data_ptr`` is at or below
+            ``cache.data_ptr()`` in the same virtual range, a whole number of elements away.
+    Raises:
+        ValueError: an anchor of another dtype/device, above the view or misaligned with it.
+    """
+    if anchor is None:
+        return cache, 0
+    if not isinstance(anchor, torch.Tensor):
+        raise ValueError(f"{name} anchor must be a torch.Tensor or None, got {type(anchor).__name__}")
+    if anchor.dtype != cache.dtype or anchor.device != cache.device:
+        raise ValueError(f"{name} anchor is {anchor.dtype} on {anchor.device}; it must match the cache "
+                         f"({cache.dtype} on {cache.device})")
+    delta = cache.data_ptr() - anchor.data_ptr()
+    if delta < 0 or delta % cache.element_size():
+        raise ValueError(f"{name} starts {delta} bytes from its anchor; the anchor must lie at or below "
+                         f"the view, a multiple of {cache.element_size()} bytes away")
+    return anchor, delta // cache.element_size()

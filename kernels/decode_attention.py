@@ -33,7 +33,7 @@ def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, tokens_per_split,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    kc_s0, kc_s1, kc_sh, vc_s0, vc_s1, vc_sh,
+    kc_s0, kc_s1, kc_sh, vc_s0, vc_s1, vc_sh, kc_off, vc_off,
     stride_table,
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -55,8 +55,8 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    k_base = kc_ptr + kvh.to(tl.int64) * kc_sh
-    v_base = vc_ptr + kvh.to(tl.int64) * vc_sh
+    k_base = kc_ptr + kc_off + kvh.to(tl.int64) * kc_sh
+    v_base = vc_ptr + vc_off + kvh.to(tl.int64) * vc_sh
     table_row = table_ptr
     if PAGED:
         table_row = table_ptr + seq * stride_table
@@ -156,6 +156,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                      seq_lens: torch.Tensor, *, max_seq_len: int, scale: float,
                      block_tables: torch.Tensor | None = None,
                      slot_indices: torch.Tensor | None = None,
+                     key_anchor: torch.Tensor | None = None, value_anchor: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
@@ -174,6 +175,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         scale: softmax scale (usually ``head_dim ** -0.5``).
         block_tables: paged: ``int32 [num_seqs, max_blocks_per_seq]`` physical block ids.
         slot_indices: contiguous: ``int32 [num_seqs]`` slot of each sequence.
+        key_anchor, value_anchor: optional always-backed elements at or below the cache views, passed
+            as the launch's pointers (:func:`vmkv.kernels._checks.launch_base`).
         out: optional ``[num_seqs, num_heads, head_dim]`` output in ``q.dtype`` (written fully).
         num_splits: split-K chunks per sequence (default: :func:`choose_num_splits`).
         block_n, num_warps, num_stages: tile size in tokens and launch configuration (default:
@@ -235,12 +238,14 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    kc_ptr, kc_off = _checks.launch_base("key_cache", key_cache, key_anchor)
+    vc_ptr, vc_off = _checks.launch_base("value_cache", value_cache, value_anchor)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, table, seq_lens, out, part_out, part_lse,
+        q, kc_ptr, vc_ptr, table, seq_lens, out, part_out, part_lse,
         scale * LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), kc_off, vc_off,
         stride_table,
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_lse.stride(0), part_lse.stride(1),

@@ -49,29 +49,37 @@ def _pick(impl: str, device: torch.device, dtype: torch.dtype, extra: tuple[str,
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, *, impl: str = "auto") -> None:
+             slot_mapping: torch.Tensor, *, impl: str = "auto", key_anchor: torch.Tensor | None = None,
+             value_anchor: torch.Tensor | None = None) -> None:
     """Scatter ``k, v: [num_tokens, H, D]`` into ``[dim0, dim1, H, D]`` cache views at
     ``slot_mapping: int64 [num_tokens]`` (flat ``index0 * dim1 + index1``).
 
+    ``key_anchor`` / ``value_anchor``: optional always-backed elements at or below the views that the
+    Triton launch receives instead of the views' first elements (:func:`_checks.launch_base`; vmem
+    passes its guard pages); the torch reference ignores them.
     See :func:`vmkv.kernels.write_kv.write_kv` (Triton) and
     :func:`vmkv.kernels.reference.write_kv_ref` (torch)."""
     if _pick(impl, key_cache.device, key_cache.dtype, fits=_kernel_fits(None, key_cache, False)) == "triton":
         from vmkv.kernels.write_kv import write_kv as write_kv_triton
-        write_kv_triton(key_cache, value_cache, k, v, slot_mapping)
+        write_kv_triton(key_cache, value_cache, k, v, slot_mapping, key_anchor=key_anchor,
+                        value_anchor=value_anchor)
     else:
         ref.write_kv_ref(key_cache, value_cache, k, v, slot_mapping)
 
 
 def _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
-                      max_seq_len, scale, block_tables=None, slot_indices=None):
+                      max_seq_len, scale, block_tables=None, slot_indices=None, key_anchor=None,
+                      value_anchor=None):
+    anchors = {"key_anchor": key_anchor, "value_anchor": value_anchor}
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
         from vmkv.kernels.decode_attention import decode_attention
         return decode_attention(q, key_cache, value_cache, seq_lens, max_seq_len=max_seq_len,
-                                scale=scale, block_tables=block_tables, slot_indices=slot_indices)
+                                scale=scale, block_tables=block_tables, slot_indices=slot_indices,
+                                **anchors)
     from vmkv.kernels.prefill_attention import prefill_attention
     return prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
                              max_query_len=max_query_len, scale=scale, block_tables=block_tables,
-                             slot_indices=slot_indices)
+                             slot_indices=slot_indices, **anchors)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -109,7 +117,8 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                          seq_lens: torch.Tensor, *, seq_lens_host: list[int],
                          query_lens_host: list[int], max_query_len: int, max_seq_len: int,
                          scale: float, slot_indices_host: list[int] | None = None,
-                         impl: str = "auto") -> torch.Tensor:
+                         impl: str = "auto", key_anchor: torch.Tensor | None = None,
+                         value_anchor: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over virtually contiguous slots.
 
     Args:
@@ -120,6 +129,9 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             without a device sync).
         query_start_loc: ``int32 [num_seqs + 1]``; seq_lens: ``int32 [num_seqs]``.
         impl: ``"auto" | "triton" | "torch" | "sdpa"`` (module docstring).
+        key_anchor, value_anchor: optional always-backed elements at or below the views, passed to the
+            Triton launches instead of the views' first elements (:func:`_checks.launch_base`); the
+            torch and sdpa paths index the views directly (only backed slot rows).
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
     Raises:
@@ -128,7 +140,8 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",), fits=_kernel_fits(q, key_cache, False))
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
-                                 max_seq_len, scale, slot_indices=slot_indices)
+                                 max_seq_len, scale, slot_indices=slot_indices, key_anchor=key_anchor,
+                                 value_anchor=value_anchor)
     slots = slot_indices_host if slot_indices_host is not None else slot_indices
     if chosen == "sdpa":
         from vmkv.kernels.sdpa import sdpa_slot_attention

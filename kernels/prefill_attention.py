@@ -60,7 +60,7 @@ def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, qsl_ptr, seq_lens_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    kc_s0, kc_s1, kc_sh, vc_s0, vc_s1, vc_sh,
+    kc_s0, kc_s1, kc_sh, vc_s0, vc_s1, vc_sh, kc_off, vc_off,
     stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
@@ -86,8 +86,8 @@ def _prefill_kernel(
         qpos = ctx + offs_m
 
         kvh = (head // GROUP).to(tl.int64)
-        k_base = kc_ptr + kvh * kc_sh
-        v_base = vc_ptr + kvh * vc_sh
+        k_base = kc_ptr + kc_off + kvh * kc_sh
+        v_base = vc_ptr + vc_off + kvh * vc_sh
         table_row = table_ptr
         if PAGED:
             table_row = table_ptr + seq * stride_table
@@ -137,6 +137,8 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       max_query_len: int, scale: float,
                       block_tables: torch.Tensor | None = None,
                       slot_indices: torch.Tensor | None = None,
+                      key_anchor: torch.Tensor | None = None,
+                      value_anchor: torch.Tensor | None = None,
                       out: torch.Tensor | None = None,
                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its cached prefix and themselves.
@@ -156,6 +158,8 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         scale: softmax scale.
         block_tables: paged: ``int32 [num_seqs, max_blocks_per_seq]``.
         slot_indices: contiguous: ``int32 [num_seqs]``.
+        key_anchor, value_anchor: optional always-backed elements at or below the cache views, passed
+            as the launch's pointers (:func:`vmkv.kernels._checks.launch_base`).
         out: optional ``[num_tokens, num_heads, head_dim]`` output in ``q.dtype``.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` override.
     Returns:
@@ -193,12 +197,14 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     block_d = _checks.head_block(head_dim)
     block_m, block_n, num_warps, num_stages = config or default_config(head_dim, max_query_len, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    kc_ptr, kc_off = _checks.launch_base("key_cache", key_cache, key_anchor)
+    vc_ptr, vc_off = _checks.launch_base("value_cache", value_cache, value_anchor)
     _prefill_kernel[grid](
-        q, key_cache, value_cache, out, table, query_start_loc, seq_lens,
+        q, kc_ptr, vc_ptr, out, table, query_start_loc, seq_lens,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), kc_off, vc_off,
         stride_table,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, PAGED=paged, SAME_STRIDES=key_cache.stride()[:3] == value_cache.stride()[:3],

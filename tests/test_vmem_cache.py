@@ -328,7 +328,8 @@ def test_usage_arithmetic(make, layout):
     assert u.waste_bytes == 2 * ppu * PAGE - (ut + 1) * bpt
     assert u.waste_pct == pytest.approx(100 * u.waste_bytes / u.allocated_bytes)
     assert u.capacity_bytes == 16 * ppu * PAGE
-    assert u.reserved_bytes == c.layout.num_reservations * 4 * c.layout.slot_stride_bytes
+    # each reservation: the guard page every kernel launch points into, then 4 slot rows
+    assert u.reserved_bytes == c.layout.num_reservations * (PAGE + 4 * c.layout.slot_stride_bytes)
     assert u.free_tokens == 14 * ut                      # pool-wide, not capped at max_model_len
     assert c.can_allocate(min(MAX_LEN, u.free_tokens))
     c.fork(1, 2)

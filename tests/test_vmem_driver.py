@@ -226,3 +226,47 @@ def test_set_access_validates_the_range(drv):
     drv.close()
     with pytest.raises(VMMError, match="closed"):
         drv.set_access(va, PAGE)
+
+
+def test_guard_page_backs_its_address_for_the_reservation_lifetime(drv):
+    """map_guard: one physical page shared by every guard, outside num_pages/num_mappings, refused by
+    map/unmap, removed (and its page released after the last one) by free_reservation."""
+    va = drv.reserve(4 * PAGE)
+    other = drv.reserve(2 * PAGE)
+    assert [drv.page_state(a) for a in (va, va + 5, va + PAGE)] == ["unmapped"] * 3
+    assert not drv.is_backed(va) and drv.page_state(va - 1) == "outside" and drv.is_backed(va - 1)
+    drv.map_guard(va)
+    drv.map_guard(other)
+    assert drv.page_state(va + 17) == "guard" and drv.is_backed(va + PAGE - 1)
+    assert drv.page_state(va + PAGE) == "unmapped"
+    assert (drv.num_guards, drv.num_mappings, drv.num_pages, drv.file_pages) == (2, 0, 0, 1)
+    assert _perms(va) == "rw-s" and _perms(other) == "rw-s"
+    drv.as_tensor(va, PAGE).fill_(3)                     # one physical page behind both guards
+    assert int(drv.as_tensor(other, PAGE)[7]) == 3
+    h = drv.create_page()
+    with pytest.raises(VMMError, match="guard page"):
+        drv.map(va, h)
+    with pytest.raises(VMMError, match="already mapped"):
+        drv.map_guard(va)
+    with pytest.raises(VMMError, match="guard page is mapped"):
+        drv.unmap(va)
+    with pytest.raises(VMMError, match="not on a page boundary"):
+        drv.map_guard(va + PAGE + 8)
+    drv.map(va + PAGE, h, set_access=False)
+    assert drv.page_state(va + PAGE) == "no_access" and not drv.is_backed(va + PAGE)
+    drv.set_access(va + PAGE, PAGE)
+    assert drv.page_state(va + PAGE + 1) == "mapped" and (drv.num_mappings, drv.num_pages) == (1, 1)
+    drv.unmap(va + PAGE)
+    drv.release(h)
+    drv.free_reservation(va, 4 * PAGE)                   # takes its guard with it
+    assert drv.num_guards == 1 and drv.page_state(va) == "outside"
+    drv.free_reservation(other, 2 * PAGE)
+    assert (drv.num_guards, drv.num_pages, drv.num_mappings, drv.num_reservations) == (0, 0, 0, 0)
+    assert drv.create_page() == 0                        # the guard's file page was released
+
+
+def test_close_removes_guards(drv):
+    va = drv.reserve(2 * PAGE)
+    drv.map_guard(va)
+    drv.close()
+    assert (drv.num_guards, drv.num_reservations) == (0, 0)

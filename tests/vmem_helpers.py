@@ -1,10 +1,12 @@
-"""Helpers the vmem test files share (test_vmem_cache.py, test_vmem_batching.py, test_vmem_cuda.py).
+"""Helpers the vmem test files share (test_vmem_cache.py, test_vmem_batching.py, test_vmem_cuda.py,
+test_vmem_layout.py, test_vmem_pressure_cuda.py).
 
 Each file keeps its own ``SPEC`` (host fp32 or CUDA bf16); the helpers take it as an argument.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable
 
@@ -80,3 +82,60 @@ def random_op(c, rng: random.Random, tokens: dict[int, list[int]], next_id: int,
     c.free(seq)
     del tokens[seq]
     return next_id
+
+
+# ---------------------------------------------------------------------------- kernel launch pointers
+#: every Triton kernel that receives a cache view: (module, attribute)
+KERNELS = (("vmkv.kernels.write_kv", "_write_kv_kernel"),
+           ("vmkv.kernels.decode_attention", "_decode_split_kernel"),
+           ("vmkv.kernels.decode_attention", "_decode_reduce_kernel"),
+           ("vmkv.kernels.prefill_attention", "_prefill_kernel"))
+
+
+class _CheckedKernel:
+    """Stands in for a jitted kernel: before each launch, checks every tensor argument's ``data_ptr``
+    against ``driver``'s mapping table the way Triton's launcher checks it with
+    ``cuPointerGetAttribute`` (an address in a reserved but unmapped page is refused with the
+    launcher's own message), records it, then launches the real kernel."""
+
+    def __init__(self, kernel, name: str, driver, launches: list) -> None:
+        self.kernel, self.name, self.driver, self.launches = kernel, name, driver, launches
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            for i, arg in enumerate(list(args) + list(kwargs.values())):
+                if isinstance(arg, torch.Tensor) and arg.data_ptr():
+                    state = self.driver.page_state(arg.data_ptr())
+                    self.launches.append((self.name, i, state))
+                    if state not in ("outside", "mapped", "guard"):
+                        raise ValueError(f"Pointer argument (at {i}) cannot be accessed from Triton "
+                                         f"(cpu tensor?) [{self.name}: {arg.data_ptr():#x} is {state}]")
+            return launch(*args, **kwargs)
+        return run
+
+
+def check_launch_pointers(monkeypatch, driver, force_triton: bool = True) -> list:
+    """Route every launch of :data:`KERNELS` through :class:`_CheckedKernel` for ``driver``; with
+    ``force_triton`` the ``"auto"`` dispatch of ``vmkv.kernels.ops`` picks Triton on CPU too (the
+    interpreter, ``TRITON_INTERPRET=1``), so ``write_kv`` launches a kernel there as on CUDA.
+
+    Returns:
+        The list every checked launch appends ``(kernel, argument index, page state)`` to.
+    """
+    from vmkv.kernels import _checks, ops
+
+    launches: list = []
+    for module_name, attr in KERNELS:
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(module, attr, _CheckedKernel(getattr(module, attr), attr, driver, launches))
+    if force_triton:
+        pick = ops._pick
+
+        def _pick(impl, device, dtype, extra=(), fits=True):
+            if impl == "auto" and fits and _checks.triton_can_run(device) and dtype in _checks.KERNEL_DTYPES:
+                return "triton"
+            return pick(impl, device, dtype, extra, fits)
+        monkeypatch.setattr(ops, "_pick", _pick)
+    return launches

@@ -9,6 +9,7 @@ section 5 "CUDA virtual memory APIs"):
     drv.map(va, h, set_access=False)  # map only ...
     drv.set_access(va, n * page)      # ... then grant access to a contiguous run of mapped pages at once
     t = drv.as_tensor(va, nbytes)     # zero-copy torch view over (mapped parts of) the range
+    drv.map_guard(va)                 # a permanently backed page (see "Guard pages" below)
 
 * :class:`CudaDriver` (``cuda_driver.py``): CUDA VMM through cuda-python (cuMemAddressReserve, cuMemCreate, cuMemMap,
   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree); page = allocation granularity (2 MiB).
@@ -25,6 +26,16 @@ Both drivers validate their arguments the same way (page-aligned addresses insid
 double map, no release of a mapped page) and raise :class:`VMMError` naming the failing call.
 Touching an unmapped part of a tensor from :meth:`VMMDriver.as_tensor` is a fault (SIGSEGV on the
 host, an illegal address on CUDA); callers only touch mapped pages.
+
+Guard pages: Triton's launcher asks the driver about every pointer argument (cuPointerGetAttribute)
+and rejects an address inside a reserved-but-unmapped range ("Pointer argument ... cannot be accessed
+from Triton").  A kernel over a slot view receives the view's first element (slot 0, position 0),
+which is unmapped whenever slot 0 holds no page.  :meth:`VMMDriver.map_guard` backs one page of a
+reservation for the reservation's lifetime with the driver's guard page (one physical page shared by
+every guard of the driver, never handed out, never unmapped until :meth:`free_reservation`); a launch
+passes that address and the element offset of the view from it (``vmkv.kernels`` "anchors"), so every
+address a launch receives is backed whatever is mapped.  Guards are not counted in
+:attr:`num_pages` / :attr:`num_mappings`; :meth:`page_state` tells whether an address is backed.
 """
 
 from __future__ import annotations
@@ -92,6 +103,8 @@ class VMMDriver(abc.ABC):
         self._mappings: dict[int, int] = {}            # va -> page handle
         self._page_map_count: dict[int, int] = {}      # live page handle -> number of mappings
         self._no_access: set[int] = set()              # mapped va whose access is not set yet
+        self._guards: set[int] = set()                 # va of guard pages (see map_guard)
+        self._guard_handle: int | None = None          # the one physical page behind every guard
         self._closed = False
 
     # ------------------------------------------------------------------ driver hooks
@@ -157,6 +170,12 @@ class VMMDriver(abc.ABC):
             raise self._invalid("free_reservation", f"{inside} pages still mapped in {va:#x}+{nbytes}; "
                                                     f"unmap them first")
         self._tensors.pop(va, None)
+        for g in sorted(g for g in self._guards if va <= g < va + nbytes):
+            self._unmap(g)
+            self._guards.discard(g)
+        if not self._guards and self._guard_handle is not None:
+            self._release(self._guard_handle)
+            self._guard_handle = None
         self._free_reservation(va, nbytes)
         del self._reservations[va]
 
@@ -202,6 +221,9 @@ class VMMDriver(abc.ABC):
                                        f"({start:#x} + k * {self.page_size_bytes})")
         if va in self._mappings:
             raise self._invalid("map", f"va={va:#x} is already mapped; unmap it first")
+        if va in self._guards:
+            raise self._invalid("map", f"va={va:#x} is a guard page (mapped for the reservation's "
+                                       f"lifetime); map another page")
         if handle not in self._page_map_count:
             raise self._invalid("map", f"unknown or released page handle {handle}")
         self._map(va, handle, bool(set_access))
@@ -209,6 +231,61 @@ class VMMDriver(abc.ABC):
         self._page_map_count[handle] += 1
         if not set_access:
             self._no_access.add(va)
+
+    def map_guard(self, va: int) -> None:
+        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with the driver's guard
+        page, readable/writable, until the reservation is freed (module docstring, "Guard pages").
+
+        The guard page is one physical page created on the first call (outside :attr:`num_pages`)
+        and mapped at every guard address; nothing may rely on its contents.  ``unmap`` refuses a
+        guard; :meth:`free_reservation` removes it (and releases the page after the last guard).
+        Raises:
+            VMMError: bad or already mapped address, or a driver call failed (nothing changes then).
+        """
+        self._check_open("map")
+        start = self._reservation_of("map", va, self.page_size_bytes)
+        if (va - start) % self.page_size_bytes:
+            raise self._invalid("map", f"guard va={va:#x} is not on a page boundary of its reservation "
+                                       f"({start:#x} + k * {self.page_size_bytes})")
+        if va in self._mappings or va in self._guards:
+            raise self._invalid("map", f"guard va={va:#x} is already mapped")
+        created = self._guard_handle is None
+        if created:
+            self._guard_handle = self._create_page()
+        try:
+            self._map(va, self._guard_handle, True)
+        except BaseException:
+            if created:
+                self._release(self._guard_handle)
+                self._guard_handle = None
+            raise
+        self._guards.add(va)
+
+    @property
+    def num_guards(self) -> int:
+        """Guard mappings (:meth:`map_guard`); not part of :attr:`num_mappings`."""
+        return len(self._guards)
+
+    def page_state(self, addr: int) -> str:
+        """What backs byte address ``addr``: ``"outside"`` (in no reservation of this driver: ordinary
+        memory), ``"unmapped"`` (reserved, nothing mapped: a kernel launch given this address fails
+        Triton's pointer check, a kernel touching it faults), ``"no_access"`` (mapped, access not set
+        yet), ``"mapped"`` or ``"guard"``.  The address a kernel launch receives must be ``"outside"``,
+        ``"mapped"`` or ``"guard"`` (see :meth:`is_backed`)."""
+        addr = int(addr)
+        for start, size in self._reservations.items():
+            if start <= addr < start + size:
+                va = start + (addr - start) // self.page_size_bytes * self.page_size_bytes
+                if va in self._guards:
+                    return "guard"
+                if va not in self._mappings:
+                    return "unmapped"
+                return "no_access" if va in self._no_access else "mapped"
+        return "outside"
+
+    def is_backed(self, addr: int) -> bool:
+        """Whether a kernel launch may receive ``addr`` (see :meth:`page_state`)."""
+        return self.page_state(addr) in ("outside", "mapped", "guard")
 
     def set_access(self, va: int, nbytes: int) -> None:
         """Make ``[va, va + nbytes)`` readable/writable by the device in one call (cuMemSetAccess /
@@ -253,7 +330,9 @@ class VMMDriver(abc.ABC):
         self._check_open("unmap")
         handle = self._mappings.get(va)
         if handle is None:
-            raise self._invalid("unmap", f"nothing is mapped at va={va:#x}")
+            what = "a guard page is mapped for the reservation's lifetime" if va in self._guards else \
+                "nothing is mapped"
+            raise self._invalid("unmap", f"{what} at va={va:#x}")
         self._unmap(va)
         del self._mappings[va]
         self._no_access.discard(va)

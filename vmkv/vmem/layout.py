@@ -12,6 +12,12 @@ Two layouts (DESIGN.md, "vmem backend / Layouts"):
 In both, a slot row is rounded up to a whole number of pages (``slot_stride_bytes``) so pages never
 straddle slots.  A **unit** is the group of pages at one page index of a slot row, one per
 reservation (``pages_per_unit`` = 1 or ``2 * num_layers``): units are what grows a sequence.
+
+Every reservation starts with one **guard page** (``guard_bytes``) before slot 0: the cache maps it
+once (``VMMDriver.map_guard``) and never unmaps it, and every kernel launch receives its address
+(:meth:`VMemLayout.kv_anchors`) plus the element offset of the per-layer view from it.  A view's own
+first element (slot 0, position 0) is unmapped whenever slot 0 holds no page, and Triton's launcher
+rejects such a pointer argument ("cannot be accessed from Triton"); the anchor is always backed.
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ class VMemLayout(abc.ABC):
         self.row_token_bytes = self.token_bytes_in_row(spec)
         self.slot_stride_bytes = _round_up(self.max_model_len * self.row_token_bytes, self.page_size_bytes)
         self.pages_per_slot = self.slot_stride_bytes // self.page_size_bytes
-        self.reservation_bytes = self.max_num_seqs * self.slot_stride_bytes
+        #: the guard page at the start of every reservation, before slot 0 (module docstring)
+        self.guard_bytes = self.page_size_bytes
+        self.reservation_bytes = self.guard_bytes + self.max_num_seqs * self.slot_stride_bytes
 
     # ------------------------------------------------------------------ per layout
     num_reservations: int = 1
@@ -75,6 +83,42 @@ class VMemLayout(abc.ABC):
         Args:
             bases: one uint8 ``[reservation_bytes]`` tensor per reservation.
         """
+
+    def guard_offsets(self) -> list[int]:
+        """Byte offsets, inside every reservation, of the pages to map with ``VMMDriver.map_guard``."""
+        return list(range(0, self.guard_bytes, self.page_size_bytes))
+
+    def map_guards(self, driver, base_vas: list[int]) -> None:
+        """Map the guard page(s) of every reservation (``VMMDriver.map_guard``), once, at construction;
+        they stay mapped until the reservation is freed.
+
+        Args:
+            driver: the ``VMMDriver`` that made the reservations.
+            base_vas: start address of each reservation.
+        """
+        for va in base_vas:
+            for offset in self.guard_offsets():
+                driver.map_guard(va + offset)
+
+    def unbacked_anchors(self, driver, bases: list[torch.Tensor]) -> list[int]:
+        """Addresses among :meth:`anchors` that ``driver`` does not back (empty when the invariant
+        "every address a kernel launch receives is backed" holds)."""
+        return [a.data_ptr() for a in self.anchors(bases) if not driver.is_backed(a.data_ptr())]
+
+    def anchors(self, bases: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One element of ``spec.dtype`` at the start of each reservation's guard page: the pointer a
+        kernel launch receives for any view of that reservation (1-element tensors)."""
+        n = self.spec.dtype_bytes
+        return [b[:n].view(self.spec.dtype) for b in bases]
+
+    def kv_anchors(self, bases: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer anchors of the K and V views of :meth:`kv_views` (the guard of the reservation
+        each view lies in); pass them to ``vmkv.kernels.ops`` as ``key_anchor`` / ``value_anchor``."""
+        anchors = self.anchors(bases)
+        num_layers = self.spec.num_layers
+        keys = [anchors[self.reservations_for_layer(layer)[0]] for layer in range(num_layers)]
+        values = [anchors[self.reservations_for_layer(layer)[-1]] for layer in range(num_layers)]
+        return keys, values
 
     def key_view(self, bases: list[torch.Tensor], layer: int) -> torch.Tensor:
         """K of ``layer``: ``[max_num_seqs, max_model_len, H, D]`` view of ``spec.dtype`` over ``bases``."""
@@ -122,12 +166,12 @@ class VMemLayout(abc.ABC):
         return min(self.max_model_len, num_units * self.page_size_bytes // self.row_token_bytes)
 
     def unit_offset(self, slot: int, unit: int) -> int:
-        """Byte offset of ``unit`` of ``slot`` inside every reservation."""
-        return slot * self.slot_stride_bytes + unit * self.page_size_bytes
+        """Byte offset of ``unit`` of ``slot`` inside every reservation (after the guard page)."""
+        return self.guard_bytes + slot * self.slot_stride_bytes + unit * self.page_size_bytes
 
     def unit_pages(self, slot: int, unit: int) -> list[tuple[int, int]]:
-        """``(reservation, page index in reservation)`` of each page of one unit."""
-        index = slot * self.pages_per_slot + unit
+        """``(reservation, page index in reservation)`` of each page of one unit (page 0 is the guard)."""
+        index = self.unit_offset(slot, unit) // self.page_size_bytes
         return [(r, index) for r in range(self.num_reservations)]
 
     def pages_for(self, slot: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -143,8 +187,8 @@ class VMemLayout(abc.ABC):
         return base.view(self.spec.dtype)
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.num_reservations} reservation(s) x {self.reservation_bytes} B, "
-                f"slot stride {self.slot_stride_bytes} B = {self.pages_per_slot} pages of "
+        return (f"{self.name}: {self.num_reservations} reservation(s) x {self.reservation_bytes} B "
+                f"(a {self.guard_bytes} B guard page first), slot stride {self.slot_stride_bytes} B = {self.pages_per_slot} pages of "
                 f"{self.page_size_bytes} B, {float(self.tokens_per_page):g} tokens/page")
 
 
@@ -167,8 +211,10 @@ class MegacacheLayout(VMemLayout):
         head_el = s.num_kv_heads * s.head_dim
         size = (self.max_num_seqs, self.max_model_len, s.num_kv_heads, s.head_dim)
         stride = (self.slot_stride_bytes // s.dtype_bytes, s.num_layers * 2 * head_el, s.head_dim, 1)
-        keys = [flat.as_strided(size, stride, (2 * layer) * head_el) for layer in range(s.num_layers)]
-        values = [flat.as_strided(size, stride, (2 * layer + 1) * head_el) for layer in range(s.num_layers)]
+        first = self.guard_bytes // s.dtype_bytes       # slot 0 starts after the guard page
+        keys = [flat.as_strided(size, stride, first + (2 * layer) * head_el) for layer in range(s.num_layers)]
+        values = [flat.as_strided(size, stride, first + (2 * layer + 1) * head_el)
+                  for layer in range(s.num_layers)]
         return keys, values
 
 
@@ -193,7 +239,7 @@ class PerLayerLayout(VMemLayout):
         s = self.spec
         size = (self.max_num_seqs, self.max_model_len, s.num_kv_heads, s.head_dim)
         stride = (self.slot_stride_bytes // s.dtype_bytes, s.num_kv_heads * s.head_dim, s.head_dim, 1)
-        views = [self._typed(b).as_strided(size, stride, 0) for b in bases]
+        views = [self._typed(b).as_strided(size, stride, self.guard_bytes // s.dtype_bytes) for b in bases]
         return views[0::2], views[1::2]
 
 

@@ -35,13 +35,12 @@ from vmkv.kvcache.base import (
     UnknownSequenceError,
 )
 from vmkv.kvcache.metadata import build_metadata, step_token_positions
-from vmkv.kvcache.prefix import unit_hashes
+from vmkv.kvcache.prefix import PrefixChain, PrefixIndex
 from vmkv.vmem.driver import DEFAULT_HOST_PAGE_BYTES, VMMDriver, get_driver
 from vmkv.vmem.host_driver import HostDriver
 from vmkv.vmem.layout import LAYOUTS, make_layout
 from vmkv.vmem.mapper import Slot, SlotMapper
 from vmkv.vmem.page_pool import PagePool
-from vmkv.vmem.prefix_index import PrefixIndex
 
 __all__ = ["VMemKVCache", "SlotsExhaustedError", "default_host_page_size"]
 
@@ -85,8 +84,7 @@ class _Seq:
     seq_len: int
     written: list[int]      # per layer: positions [0, written) hold K/V (prefix registration;
                             # prepare() stops advancing it once every prompt unit is registered)
-    hashes: list[int]       # chained hashes of the prompt's full units
-    num_registered: int     # leading units registered in (or found in) the prefix cache
+    prefix: PrefixChain | None  # the prompt's unit keys and how many are cached (None: no caching)
 
 
 class VMemKVCache(KVCache):
@@ -156,8 +154,8 @@ class VMemKVCache(KVCache):
                     f"memory_bytes={self.memory_bytes} holds {max_pages} pages of {page} B; the "
                     f"{layout} layout maps {self.layout.pages_per_unit} page(s) per token range; raise "
                     f"memory_bytes to >= {self.layout.bytes_per_unit} or lower page_size_bytes")
-            self.pool = PagePool(drv, max_pages, preallocate)
             self.prefix = PrefixIndex()
+            self.pool = PagePool(drv, max_pages, preallocate, self.prefix)
             self.mapper = SlotMapper(drv, self.layout, self.pool, self.prefix)
             try:  # kernel launches receive guard addresses, never slot 0's (layout.py, "guard page")
                 self.layout.map_guards(drv, self.mapper.bases)
@@ -179,8 +177,6 @@ class VMemKVCache(KVCache):
             logger.info("vmem prefix caching disabled: a %d-byte page holds %s tokens (not integral)",
                         page, self.layout.tokens_per_page)
         self._seqs: dict[int, _Seq] = {}
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
         self._alloc_ns = 0
         self._prefetch_ns = 0
         self._warn_map_count(max_pages)
@@ -233,26 +229,40 @@ class VMemKVCache(KVCache):
 
     def _register(self, seq: _Seq) -> None:
         """Register the prompt's full units whose tokens are written in every layer."""
-        if not self.enable_prefix_caching:
+        if seq.prefix is None:
             return
-        done = min(seq.written)
-        while seq.num_registered < len(seq.hashes) and (seq.num_registered + 1) * self.unit_tokens <= done:
-            u = seq.num_registered
-            self.prefix.register(seq.hashes[u], seq.slot.units[u])
-            seq.num_registered += 1
+        units = seq.slot.units
+        seq.prefix.register_upto(min(seq.written) // self.unit_tokens,
+                                 lambda key, parent, u: self.prefix.register(key, parent, tuple(units[u])))
 
-    def _pick_slot(self, free: list[Slot], num_units: int, hits: list) -> Slot:
-        """Best fit among free slots: most prefix-hit units already in place; then fewest cached
-        prefix pages the request would overwrite; then the kept mapping closest to ``num_units``
-        from above (else the largest below); then the lowest index."""
+    def _pick_slot(self, free: list[Slot], num_units: int, hits: list[tuple[int, ...]]) -> Slot:
+        """Best fit among free slots: fewest driver calls to occupy it (a prefix-hit page already in
+        place costs none, a hole one map, a page to replace or a cached prefix page to move out an
+        unmap and a map); then the kept mapping closest to ``num_units`` from above (else the
+        largest below); then the lowest index."""
+        refcount, is_cached = self.mapper.refcount, self.prefix.is_cached
+        num_res = self.layout.num_reservations
+
+        def calls(s: Slot) -> int:
+            n = num_units * num_res         # a map per position, corrected for what is in place
+            for u, pages in s.units.items():
+                if u >= num_units:
+                    continue
+                for r, p in enumerate(pages):
+                    if p is None:
+                        continue
+                    if u < len(hits):
+                        n += -1 if p == hits[u][r] else 1
+                    elif refcount(p) > 1 or is_cached(p):
+                        n += 1
+                    else:
+                        n -= 1
+            return n
+
         def key(s: Slot):
-            matched = sum(1 for u, pages in enumerate(hits) if s.units.get(u) == list(pages))
-            overwritten = sum(1 for u, pages in s.units.items() if len(hits) <= u < num_units
-                              for p in pages
-                              if p is not None and self.prefix.is_hashed(p) and self.mapper.refcount(p) == 1)
             kept = len(s.units)
             fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
-            return (-matched, overwritten, fit, s.index)
+            return (calls(s), fit, s.index)
         # slots that keep no pages all score alike: only the lowest-index one competes (keeps the
         # choice O(slots with kept pages) instead of O(free slots x units) per admission)
         candidates = [s for s in free if s.units]
@@ -278,11 +288,11 @@ class VMemKVCache(KVCache):
             raise SlotsExhaustedError(n, 0, f"all {self.max_num_seqs} slots are live (max_num_seqs); "
                                             f"free a sequence or raise max_num_seqs")
         num_units = self.layout.num_units(n)
-        hashes: list[int] = []
-        hits: list = []
+        lookup = None
+        hits: list[tuple[int, ...]] = []
         if self.enable_prefix_caching and token_ids is not None:
-            hashes = unit_hashes([int(t) for t in token_ids], self.unit_tokens, extra_key)
-            hits = self.prefix.lookup(hashes[:(n - 1) // self.unit_tokens])
+            lookup = self.prefix.lookup(token_ids, self.unit_tokens, extra_key)
+            hits = [e.handles for e in lookup.hits]
         slot = self._pick_slot(free, num_units, hits)
         fresh, available = self.mapper.plan_occupy(slot, num_units, hits)
         if fresh > available:
@@ -292,10 +302,11 @@ class VMemKVCache(KVCache):
         self.mapper.occupy(slot, seq_id, num_units, hits)
         self._map_ahead(slot, n)
         hit_tokens = len(hits) * self.unit_tokens
-        self._seqs[seq_id] = _Seq(seq_id, slot, n, [hit_tokens] * self.spec.num_layers, hashes, len(hits))
-        if self.enable_prefix_caching and token_ids is not None:
-            self.prefix_query_tokens += n
-            self.prefix_hit_tokens += hit_tokens
+        chain = None
+        if lookup is not None:
+            chain = PrefixChain(lookup.keys, lookup.hits)
+            self.prefix.record(lookup)
+        self._seqs[seq_id] = _Seq(seq_id, slot, n, [hit_tokens] * self.spec.num_layers, chain)
         self._alloc_ns += time.perf_counter_ns() - t0
         return hit_tokens
 
@@ -355,7 +366,7 @@ class VMemKVCache(KVCache):
         slot = min(free, key=lambda s: (mismatches(s), s.index))
         self.mapper.share(slot, parent.slot, child_id, num_units)
         self._seqs[child_id] = _Seq(child_id, slot, parent.seq_len, list(parent.written),
-                                    list(parent.hashes), parent.num_registered)
+                                    None if parent.prefix is None else parent.prefix.copy())
         self._map_ahead(slot, parent.seq_len)
         self._alloc_ns += time.perf_counter_ns() - t0
 
@@ -478,7 +489,7 @@ class VMemKVCache(KVCache):
         for _, seq, units in shared:
             self.mapper.make_writable(seq.slot, units, all_res)
         for e, seq, units in entries:
-            if seq.num_registered >= len(seq.hashes):
+            if seq.prefix is None or seq.prefix.done:
                 continue        # marks only feed prefix registration; nothing left to register
             end = e.num_computed_tokens + e.num_new_tokens
             seq.written = [max(w, end) if e.num_computed_tokens <= w else w for w in seq.written]
@@ -567,8 +578,8 @@ class VMemKVCache(KVCache):
             mapped_bytes=self.mapper.num_mapped_pages() * page,
             reserved_bytes=self.layout.num_reservations * self.layout.reservation_bytes,
             free_tokens=self._free_tokens(),
-            prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_query_tokens=self.prefix.num_query_tokens,
+            prefix_hit_tokens=self.prefix.num_hit_tokens,
             num_cow_copies=self.mapper.num_cow_copies,
             unit_tokens=self.unit_tokens,
         )
@@ -621,9 +632,11 @@ class VMemKVCache(KVCache):
             if slot.claimed < need:
                 raise AssertionError(f"sequence {seq.seq_id!r}: seq_len {seq.seq_len} needs {need} units, "
                                      f"slot claims {slot.claimed}")
-            if max(seq.written) > seq.seq_len or seq.num_registered > len(seq.hashes):
-                raise AssertionError(f"sequence {seq.seq_id!r}: written {seq.written} > seq_len "
-                                     f"{seq.seq_len} or {seq.num_registered} registered of {len(seq.hashes)}")
+            if max(seq.written) > seq.seq_len:
+                raise AssertionError(f"sequence {seq.seq_id!r}: written {seq.written} > seq_len {seq.seq_len}")
+            if seq.prefix is not None and seq.prefix.num_registered > len(seq.prefix.keys):
+                raise AssertionError(f"sequence {seq.seq_id!r}: {seq.prefix.num_registered} units "
+                                     f"registered of {len(seq.prefix.keys)}")
 
     def close(self) -> None:
         if self._closed:

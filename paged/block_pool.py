@@ -3,15 +3,16 @@
 The pool deals only in block ids and counts, never in tensors (the nano-vllm block manager split).
 A block is in exactly one of three states:
 
-* **plain free**: ``refcount == 0`` and no hash; kept in a FIFO free list.  Ids are handed out
+* **plain free**: ``refcount == 0`` and no prefix entry; kept in a FIFO free list.  Ids are handed out
   from its head and freed ids are appended to its tail, so the order is deterministic
   (initially ``0, 1, 2, ...``).
 * **cached free** (evictable): ``refcount == 0`` but it still holds the K/V of a full block
   cached in the prefix index (:class:`~vmkv.kvcache.prefix.PrefixIndex`, keyed by a chained hash
   and verified against the block's token ids), so a later request with the same prefix can
   revive it.  Cached free blocks are kept in least-recently-freed order and evicted (entry
-  dropped, with the entries of its descendants) only when no plain free block remains (vLLM automatic prefix caching; Kwon et al., "Efficient Memory Management for
-  Large Language Model Serving with PagedAttention", SOSP'23, section 4.4).
+  dropped, with the entries of its descendants) only when no plain free block remains (vLLM
+  automatic prefix caching; Kwon et al., "Efficient Memory Management for Large Language Model
+  Serving with PagedAttention", SOSP'23, section 4.4).
 * **used**: ``refcount >= 1``, referenced by that many block-table entries.
 
 ``num_free_blocks`` counts plain free + cached free blocks: both can be handed out.
@@ -129,7 +130,7 @@ class BlockPool:
             block_id = self._free.popleft()
         elif self._cached_free:
             block_id, _ = self._cached_free.popitem(last=False)
-            self._forget(block_id)
+            self.forget(block_id)
             self.num_evictions += 1
             logger.debug("evicted cached block %d", block_id)
         else:
@@ -205,9 +206,9 @@ class BlockPool:
             raise BlockRefCountError(f"register of free block {block_id}; only used blocks hold data")
         return self.prefix.register(key, parent, (block_id,))
 
-    def _forget(self, block_id: int) -> None:
-        """Drop the prefix entry of ``block_id`` and its descendants; their cached free blocks
-        become plain free (tail of the free list)."""
+    def forget(self, block_id: int) -> None:
+        """Drop the prefix entry of ``block_id`` and its descendants (their content is not to be
+        trusted or is evicted); their cached free blocks become plain free (tail of the free list)."""
         for b in self.prefix.drop(block_id):
             if b in self._cached_free:
                 del self._cached_free[b]

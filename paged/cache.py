@@ -254,10 +254,14 @@ class PagedKVCache(KVCache):
             self.pool.incref(b)
         self._seqs[child_id] = parent.copy(self._host_tables.copy_row(parent.row))
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, *, written: bool = True) -> None:
         """Release ``seq_id``: each block loses a reference, tail first (so the tail of a cached
-        prompt is evicted before its head).  Raises UnknownSequenceError."""
+        prompt is evicted before its head).  ``written=False``: drop the prefix entries of the
+        blocks it registered first (see :meth:`KVCache.free`).  Raises UnknownSequenceError."""
         s = self._get(seq_id)
+        if not written and s.prefix is not None:
+            for i in s.prefix.own_units:
+                self.pool.forget(s.block_table[i])
         del self._seqs[seq_id]
         self._host_tables.release(s.row, len(s.block_table))
         self.pool.free(reversed(s.block_table))
@@ -385,8 +389,7 @@ class PagedKVCache(KVCache):
                 s.written_all = end
             else:
                 continue
-            if s.prefix is not None and s.prefix.num_registered < min(s.written_all // bs,
-                                                                         len(s.prefix.keys)):
+            if s.prefix is not None and not s.prefix.done and s.prefix.num_registered < s.written_all // bs:
                 self._register_written(s)
         return meta
 

@@ -641,6 +641,30 @@ def test_cached_prefix_survives_other_requests_while_memory_is_free(cache, gen):
     cache.check_integrity()
 
 
+def test_free_unwritten_drops_only_the_prefix_units_it_registered(cache, gen):
+    """prepare() registers a step's full prompt units before the forward writes them; when the
+    forward fails, ``free(seq, written=False)`` drops them (the units the sequence found at
+    allocate, written by an earlier request, stay cached)."""
+    unit = _prefix_unit(cache)
+    n = min(cache.max_model_len, 3 * unit + 1)
+    prompt = torch.randint(0, 1000, (n,), generator=gen).tolist()
+    cache.allocate(1, unit + 1, token_ids=prompt[:unit + 1])
+    first = _prefill(cache, 1, unit + 1, gen)
+    cache.free(1)
+    assert cache.allocate(2, n, token_ids=prompt) == unit
+    cache.prepare([StepSeq(2, unit, n - unit)])       # registers units 1.. as written; then the
+    cache.free(2, written=False)                        # forward fails: nothing was written
+    cache.check_integrity()
+    assert cache.allocate(3, n, token_ids=prompt) == unit
+    assert_data(cache, 3, [(k[:unit], v[:unit]) for k, v in first])
+    rest = _prefill(cache, 3, n, gen, start=unit)       # a normal run registers them again
+    cache.free(3)
+    full = (n - 1) // unit * unit
+    assert cache.allocate(4, n, token_ids=prompt) == full
+    assert_data(cache, 4, [(k[:full - unit], v[:full - unit]) for k, v in rest], start=unit)
+    cache.check_integrity()
+
+
 def test_failed_allocate_counts_no_prefix_lookup(cache, gen):
     """A lookup is counted once per successful allocate: one that raises KVCacheFullError (after
     finding hits) changes nothing, statistics included; the retry that succeeds counts once."""

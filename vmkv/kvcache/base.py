@@ -331,8 +331,17 @@ class KVCache(abc.ABC):
         """
 
     @abc.abstractmethod
-    def free(self, seq_id: int) -> None:
-        """Release ``seq_id``; its memory becomes available to others.  Raises UnknownSequenceError."""
+    def free(self, seq_id: int, *, written: bool = True) -> None:
+        """Release ``seq_id``; its memory becomes available to others.
+
+        Args:
+            written: ``False`` when the K/V that ``prepare()`` marked written may not have been
+                written (the step's forward failed): the prompt units this sequence registered in
+                the prefix cache are dropped, so no later request is served them.  Units it found
+                there at allocate stay cached.
+        Raises:
+            UnknownSequenceError.
+        """
 
     @abc.abstractmethod
     def can_allocate(self, num_tokens: int) -> bool:

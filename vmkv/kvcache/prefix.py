@@ -344,28 +344,37 @@ class PrefixIndex:
 
 class PrefixChain:
     """One sequence's prefix-cache registration state: its prompt's unit keys, how many leading
-    units are cached (hit at allocate or registered since) and the entry of the last one.
+    units are cached (``num_hits`` found at allocate, then registered by this sequence) and the
+    entry of the last one.
 
     Args:
         keys: the prompt's unit keys (:attr:`PrefixLookup.keys`).
         hits: the entries found at allocate (:attr:`PrefixLookup.hits`).
     """
 
-    __slots__ = ("keys", "tail", "num_registered")
+    __slots__ = ("keys", "tail", "num_hits", "num_registered", "broken")
 
     def __init__(self, keys: Sequence[UnitKey] = (), hits: Sequence[PrefixEntry] = ()) -> None:
         self.keys = keys
         self.tail: PrefixEntry | None = hits[-1] if hits else None
+        self.num_hits = len(hits)
         self.num_registered = len(hits)
+        self.broken = False
 
     @property
     def done(self) -> bool:
         """Nothing left to register (every unit is, or the chain broke)."""
-        return self.num_registered >= len(self.keys)
+        return self.broken or self.num_registered >= len(self.keys)
+
+    @property
+    def own_units(self) -> range:
+        """Units this sequence registered (after its hits): their K/V came from its own steps."""
+        return range(self.num_hits, self.num_registered)
 
     def copy(self) -> "PrefixChain":
         c = PrefixChain(self.keys)
-        c.tail, c.num_registered = self.tail, self.num_registered
+        c.tail, c.num_hits, c.num_registered, c.broken = (self.tail, self.num_hits,
+                                                          self.num_registered, self.broken)
         return c
 
     def register_upto(self, num_units: int,
@@ -374,10 +383,10 @@ class PrefixChain:
         ``register(key, parent, unit index)`` (a backend hook around :meth:`PrefixIndex.register`);
         stops for good when a registration returns ``None`` (the chain is broken)."""
         end = min(num_units, len(self.keys))
-        while self.num_registered < end:
+        while not self.broken and self.num_registered < end:
             entry = register(self.keys[self.num_registered], self.tail, self.num_registered)
             if entry is None:
-                self.num_registered = len(self.keys)
+                self.broken = True
                 return
             self.tail = entry
             self.num_registered += 1

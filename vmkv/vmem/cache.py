@@ -370,9 +370,14 @@ class VMemKVCache(KVCache):
         self._map_ahead(slot, parent.seq_len)
         self._alloc_ns += time.perf_counter_ns() - t0
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, *, written: bool = True) -> None:
+        """See :meth:`KVCache.free`; the slot keeps its pages mapped (deferred reclamation)."""
         seq = self._seq(seq_id)
         t0 = time.perf_counter_ns()
+        if not written and seq.prefix is not None:
+            for u in seq.prefix.own_units:
+                for page in seq.slot.units[u]:
+                    self.pool.forget(page)
         self.mapper.vacate(seq.slot)
         del self._seqs[seq_id]
         self._alloc_ns += time.perf_counter_ns() - t0
@@ -633,7 +638,8 @@ class VMemKVCache(KVCache):
                 raise AssertionError(f"sequence {seq.seq_id!r}: seq_len {seq.seq_len} needs {need} units, "
                                      f"slot claims {slot.claimed}")
             if max(seq.written) > seq.seq_len:
-                raise AssertionError(f"sequence {seq.seq_id!r}: written {seq.written} > seq_len {seq.seq_len}")
+                raise AssertionError(f"sequence {seq.seq_id!r}: written {seq.written} > seq_len "
+                                     f"{seq.seq_len}")
             if seq.prefix is not None and seq.prefix.num_registered > len(seq.prefix.keys):
                 raise AssertionError(f"sequence {seq.seq_id!r}: {seq.prefix.num_registered} units "
                                      f"registered of {len(seq.prefix.keys)}")

@@ -328,7 +328,8 @@ class SlotMapper:
         plain = self.pool.num_plain_available + sum(1 for p in others if not self.prefix.is_cached(p))
         if need > plain:
             candidates = (others | self.pool.cached_pages() | {p for *_, p in cached}) - exclude
-            victims = set(self._eviction_order(p for p in candidates if self.prefix.is_cached(p))[:need - plain])
+            order = self._eviction_order(p for p in candidates if self.prefix.is_cached(p))
+            victims = set(order[:need - plain])
             for *_, p in cached:
                 if p in victims and self.prefix.is_cached(p):
                     self._forget(p)

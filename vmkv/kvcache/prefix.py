@@ -208,7 +208,8 @@ class PrefixIndex:
                extra_key: Hashable = None) -> PrefixLookup:
         """Keys of ``token_ids``'s full units and the verified hits among its leading units.
 
-        Changes nothing (statistics included: call :meth:`record` once the allocation succeeded).
+        Changes no entry and no query/hit count (call :meth:`record` once the allocation succeeded;
+        only :attr:`num_collisions` counts here).
         """
         keys = unit_keys(token_ids, unit_tokens, extra_key)
         hits = self.match(keys[:(len(token_ids) - 1) // unit_tokens])

@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, Union
 
-from vmkv.engine.llm_engine import LLMEngine, check_cache_salt
+from vmkv.engine.input_processor import check_cache_salt
+from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import CompletionOutput, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 

@@ -104,10 +104,7 @@ class ModelRunner:
                 continue
             group = s.seq.group
             p = group.params
-            indices = [s.seq.index]
-            if s.seq.index == 0 and group.num_pending_forks:
-                indices += list(range(p.n - group.num_pending_forks, p.n))
-            for idx in indices:
+            for idx in group.sample_indices(s.seq):
                 row_index.append(i)
                 rows.append(SamplingRow(p.temperature, p.effective_top_k, p.top_p,
                                         group.generators[idx]))

@@ -150,8 +150,7 @@ class Scheduler:
 
     def num_reserved_seqs(self) -> int:
         """Running sequences plus the forks their requests will still make."""
-        pending = sum(s.group.num_pending_forks for s in self.running if s.index == 0)
-        return len(self.running) + pending
+        return sum(s.group.num_seats(s) for s in self.running)
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished (or aborted) sequence's KV and drop it from the queues.  The queues are
@@ -196,7 +195,8 @@ class Scheduler:
         out.failed.append((seq, exc))
 
     def add_forked(self, parent: Sequence, child: Sequence) -> bool:
-        """Fork ``parent``'s KV into ``child`` and run it next to the parent.
+        """Fork ``parent``'s KV into ``child`` (made by ``SequenceGroup.fork``) and run it next to
+        the parent.
 
         When the cache cannot take the fork (``KVCacheFullError``, e.g. no free vmem slot), the
         child waits at the front of the queue to recompute its prompt (prefix hits share it).
@@ -298,8 +298,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             group = seq.group
-            need_slots = 1 + (group.num_pending_forks if seq.index == 0 else 0)
-            if self.num_reserved_seqs() + need_slots > self.config.max_num_seqs:
+            if self.num_reserved_seqs() + group.num_seats(seq) > self.config.max_num_seqs:
                 break
             num_tokens = seq.num_tokens
             if not chunked and num_tokens > budget:

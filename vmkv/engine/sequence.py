@@ -1,8 +1,9 @@
 """Requests and their sequences.
 
 A request (:class:`SequenceGroup`) has ``n`` completions.  Its first sequence (the parent) is
-prefilled alone; when the prompt is done the engine forks it into ``n`` sequences
-(``KVCache.fork``) that share the prompt's KV.  Each :class:`Sequence` moves through
+prefilled alone; when the prompt is done the group forks it into ``n`` sequences that share the
+prompt's KV (``KVCache.fork``).  Everything about ``n > 1`` is decided by :class:`SequenceGroup`
+(its "n > 1" section).  Each :class:`Sequence` moves through
 ``WAITING -> RUNNING -> FINISHED``; a running sequence can be preempted by recompute
 (``PREEMPTED``: its KV is freed and it waits again, to recompute prompt + generated tokens).
 """
@@ -10,7 +11,7 @@ prefilled alone; when the prompt is done the engine forks it into ``n`` sequence
 from __future__ import annotations
 
 import enum
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -206,6 +207,55 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return self.num_pending_forks == 0 and all(s.is_finished for s in self.seqs)
 
+    # ------------------------------------------------------------------ n > 1 (the one place)
+    # The parent (index 0) is prefilled alone.  The step that computes its prompt's last token
+    # samples one token per completion from the parent's logits row (each index with its own
+    # generator); the parent keeps token 0 and :meth:`fork` makes the other completions, which
+    # share the prompt's KV (``Scheduler.add_forked`` calls ``KVCache.fork``).  Until then the
+    # pending completions hold seats, so the fork never waits for ``max_num_seqs``.
+
+    def sample_indices(self, seq: Sequence) -> list[int]:
+        """Completion indices whose token is sampled from ``seq``'s logits row in a step where it
+        samples: its own, plus every pending completion's while ``seq`` is the parent."""
+        if seq.index == 0 and self.num_pending_forks:
+            return [0, *range(self.params.n - self.num_pending_forks, self.params.n)]
+        return [seq.index]
+
+    def num_seats(self, seq: Sequence) -> int:
+        """Sequences (of ``max_num_seqs``) that ``seq`` holds: itself, plus the pending
+        completions while it is the parent."""
+        return 1 + (self.num_pending_forks if seq.index == 0 else 0)
+
+    def cancel_forks(self) -> None:
+        """The request ends (abort, failure, never fits): pending completions are never made."""
+        self.num_pending_forks = 0
+
+    def fork(self, parent: Sequence, child_tokens: list[int], new_seq_id: Callable[[], int],
+             eos_token_ids: Seq[int], max_model_len: int) -> list[Sequence]:
+        """Make the pending completions from ``parent``'s computed prompt, completion
+        ``n - pending + i`` with first token ``child_tokens[i]`` (see :meth:`sample_indices`).
+
+        Returns:
+            the new sequences that did not finish on their first token: each needs a share of the
+            parent's KV (``Scheduler.add_forked``).  Those that finished are ``FINISHED``.
+        """
+        assert len(child_tokens) == self.num_pending_forks, (
+            f"request {self.request_id}: {len(child_tokens)} tokens for {self.num_pending_forks} forks")
+        first_index = self.params.n - self.num_pending_forks
+        self.num_pending_forks = 0
+        running = []
+        for offset, token in enumerate(child_tokens):
+            child = Sequence(new_seq_id(), self, first_index + offset)
+            self.seqs.append(child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.append_token(token, eos_token_ids, max_model_len)
+            if child.finish_reason is not None:
+                child.status = SequenceStatus.FINISHED
+            else:
+                running.append(child)
+        return running
+
+    # ------------------------------------------------------------------ output
     def to_output(self) -> RequestOutput:
         """Snapshot for the caller: ``n`` completions by index (not yet forked ones empty)."""
         by_index = {s.index: s.completion_output() for s in self.seqs}

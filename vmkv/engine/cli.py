@@ -178,15 +178,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if stream:
+                if stream:                     # print what is new since the previous output
                     c = out.outputs[0]
                     if as_ids:
-                        new = c.token_ids[printed:]
+                        new = c.delta_token_ids
                         sys.stdout.write(("," if printed and new else "") + _ids_text(new))
-                        printed = len(c.token_ids)
+                        printed += len(new)
                     else:
-                        sys.stdout.write(c.text[printed:])
-                        printed = len(c.text)
+                        sys.stdout.write(c.delta_text)
                     sys.stdout.flush()
                 if out.finished:
                     final = out

@@ -1,31 +1,80 @@
-"""What the engine returns, in vLLM's shape (``vllm.RequestOutput``)."""
+"""What the engine returns, in vLLM's shape (``vllm.RequestOutput``), with per-step deltas.
+
+Streaming without O(L^2) copies: a request's output after each step carries what is new since its
+previous output (``CompletionOutput.delta_text`` / ``delta_token_ids``, O(new tokens)), and its
+cumulative fields are snapshots of the engine's append-only lists that are copied only when read
+(``token_ids``, ``RequestMetrics.token_times``): a consumer that streams the deltas and reads the
+cumulative fields once at the end copies O(L) token ids over a request of L tokens.
+:func:`merge_outputs` folds several outputs of one request into one (a consumer that fell behind).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
-from vmkv.kvcache.base import CacheUsage
+if TYPE_CHECKING:  # torch-free at run time: the server's stream merges outputs without the model stack
+    from vmkv.kvcache.base import CacheUsage
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "EngineStats"]
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "EngineStats", "merge_outputs"]
 
 
-@dataclass
+class ListPrefix:
+    """The first ``length`` items of an append-only list, as of now; copied only by :meth:`to_list`.
+
+    The engine's output token ids and token times only ever grow, so a prefix of them stays what it
+    was when taken: an O(1) snapshot.
+    """
+
+    __slots__ = ("source", "length")
+
+    def __init__(self, source: list, length: int | None = None) -> None:
+        self.source = source
+        self.length = len(source) if length is None else length
+
+    def to_list(self) -> list:
+        return self.source[:self.length]
+
+
+def _lazy_list(name: str) -> property:
+    """A dataclass field stored as a list or a :class:`ListPrefix`, read as a list (copied once)."""
+    slot = "_" + name
+
+    def get(self) -> list:
+        value = self.__dict__[slot]
+        if isinstance(value, ListPrefix):
+            value = self.__dict__[slot] = value.to_list()
+        return value
+
+    def set(self, value) -> None:
+        self.__dict__[slot] = value if isinstance(value, (list, ListPrefix)) else list(value)
+
+    return property(get, set, doc=f"``{name}`` as a list (a snapshot taken by the engine is copied on "
+                                  "first read)")
+
+
+@dataclass(eq=True)
 class CompletionOutput:
     """One of a request's ``n`` completions.
 
     ``text`` and ``token_ids`` are cumulative and append-only across steps: each step's output
-    extends the previous one.  Text that might be the start of a stop string is held back until
-    it is known not to be one.
+    extends the previous one.  ``delta_text`` and ``delta_token_ids`` are what is new since this
+    request's previous output (so the deltas of all its outputs, concatenated, are ``text`` and
+    ``token_ids`` of the last one).  Text that might be the start of a stop string is held back
+    until it is known not to be one.
 
     Attributes:
         index: which of the ``n`` completions (0..n-1).
         text: the detokenized output so far.
         token_ids: output token ids so far (an EOS or stop token id that ended the output is
-            included; its text is not).
+            included; its text is not).  The engine passes a :class:`ListPrefix` that is copied
+            into a list on first read, so outputs nobody reads cost nothing.
         finish_reason: ``None`` while running; ``"stop"`` (EOS, stop string or stop token id),
             ``"length"`` (``max_tokens`` or ``max_model_len``), ``"abort"``, or ``"error"`` (an
             exception while processing the request failed it: see ``RequestOutput.error``).
         stop_reason: the stop string or stop token id that ended the output, else ``None``.
+        delta_text: text new since the request's previous output.
+        delta_token_ids: token ids new since the request's previous output.
     """
 
     index: int
@@ -33,10 +82,16 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# after @dataclass, so that the generated __init__ / __eq__ / __repr__ go through the property
+CompletionOutput.token_ids = _lazy_list("token_ids")  # type: ignore[assignment]
 
 
 @dataclass
@@ -50,7 +105,7 @@ class RequestMetrics:
         last_token_time: latest output token.
         finished_time: when it finished (None while running).
         token_times: one entry per step that produced output tokens (inter-token latencies are
-            the differences).
+            the differences); a snapshot copied on first read, like ``CompletionOutput.token_ids``.
     """
 
     arrival_time: float
@@ -59,6 +114,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+
+
+RequestMetrics.token_times = _lazy_list("token_times")  # type: ignore[assignment]
 
 
 @dataclass
@@ -90,6 +148,26 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+
+
+def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """One output of a request equivalent to receiving ``outputs`` in order: the last one, with the
+    deltas of all of them concatenated per completion (a stream consumer that fell behind).
+    Costs O(the deltas); the cumulative fields are the last output's, not copied."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    for out in outputs:
+        for c in out.outputs:
+            texts.setdefault(c.index, []).append(c.delta_text)
+            ids.setdefault(c.index, []).extend(c.delta_token_ids)
+    merged = [CompletionOutput(c.index, c.text, c.__dict__["_token_ids"], c.finish_reason, c.stop_reason,
+                               delta_text="".join(texts[c.index]), delta_token_ids=ids[c.index])
+              for c in last.outputs]
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged, last.finished,
+                         last.num_cached_tokens, last.metrics, last.error)
 
 
 @dataclass(frozen=True)

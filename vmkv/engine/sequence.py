@@ -16,7 +16,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from vmkv.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback_len
-from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence", "SequenceGroup", "PromptTooLongError"]
@@ -74,6 +74,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.text = ""
         self.num_preemptions = 0
+        # how much of the output the request's previous output reported (deltas start there)
+        self._num_reported_tokens = 0
+        self._num_reported_chars = 0
         self.detokenizer = (
             IncrementalDetokenizer(group.tokenizer, group.prompt_token_ids,
                                    group.params.skip_special_tokens)
@@ -153,9 +156,20 @@ class Sequence:
         return self.text[:len(self.text) - hold] if hold else self.text
 
     def completion_output(self) -> CompletionOutput:
-        return CompletionOutput(index=self.index, text=self.output_text,
-                                token_ids=list(self.output_token_ids),
-                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        """This completion's output now, with what is new since the previous call as the delta.
+        Costs O(new tokens): the cumulative token ids are a :class:`ListPrefix` of the
+        append-only ``output_token_ids``, not a copy."""
+        text = self.output_text
+        num_tokens = len(self.output_token_ids)
+        assert len(text) >= self._num_reported_chars, (
+            f"emitted text shrank from {self._num_reported_chars} to {len(text)} chars (seq {self.seq_id})")
+        delta_text = text[self._num_reported_chars:]
+        delta_ids = self.output_token_ids[self._num_reported_tokens:]
+        self._num_reported_tokens, self._num_reported_chars = num_tokens, len(text)
+        return CompletionOutput(index=self.index, text=text,
+                                token_ids=ListPrefix(self.output_token_ids, num_tokens),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                delta_text=delta_text, delta_token_ids=delta_ids)
 
 
 class SequenceGroup:
@@ -257,7 +271,8 @@ class SequenceGroup:
 
     # ------------------------------------------------------------------ output
     def to_output(self) -> RequestOutput:
-        """Snapshot for the caller: ``n`` completions by index (not yet forked ones empty)."""
+        """The request's output now: ``n`` completions by index (not yet forked ones empty), each
+        with its delta since the previous call (call it once per reported output)."""
         by_index = {s.index: s.completion_output() for s in self.seqs}
         missing = "error" if self.error is not None else "abort" if self.aborted else None
         outs = [by_index.get(i) or CompletionOutput(index=i, text="", token_ids=[],
@@ -265,7 +280,7 @@ class SequenceGroup:
                 for i in range(self.params.n)]
         m = self.metrics
         metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                                 m.last_token_time, m.finished_time, list(m.token_times))
+                                 m.last_token_time, m.finished_time, ListPrefix(m.token_times))
         # prompt_token_ids is shared, not copied: treat it as read-only
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outs,

@@ -30,6 +30,7 @@ import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from vmkv.engine.errors import RequestFailedError, is_fatal_error
+from vmkv.engine.outputs import merge_outputs
 
 if TYPE_CHECKING:  # the engine imports torch; keep this module importable without it
     from vmkv.engine.llm_engine import LLMEngine
@@ -44,6 +45,12 @@ T = TypeVar("T")
 
 #: sentinel put in a request's queue when the engine thread died or shut down
 _CLOSED = object()
+_NOTHING = object()
+
+
+def _is_output(item: Any) -> bool:
+    """A request's queue holds outputs, then maybe an exception or :data:`_CLOSED`."""
+    return item is not _CLOSED and not isinstance(item, BaseException)
 #: consecutive non-fatal exceptions out of ``engine.step()`` (an engine that cannot make progress)
 #: after which the engine thread stops as if the error were fatal
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -61,9 +68,12 @@ class EngineShutdownError(RuntimeError):
 class RequestStream:
     """Async iterator over the :class:`RequestOutput` snapshots of one request.
 
-    Outputs are cumulative (text and token ids only grow), so when the consumer falls behind the
-    iterator skips to the newest snapshot.  The last item has ``finished=True``.  Leaving the iteration
-    early (``break``, cancellation, ``aclose()``) aborts the request on the engine.
+    Each output carries what is new since the previous one (``delta_text``, ``delta_token_ids``)
+    next to the cumulative fields.  When the consumer falls behind, the outputs waiting in the queue
+    are merged into one (:func:`~vmkv.engine.outputs.merge_outputs`: the newest, with the skipped
+    deltas concatenated), so streaming the deltas never loses text.  The last item has
+    ``finished=True``.  Leaving the iteration early (``break``, cancellation, ``aclose()``) aborts the
+    request on the engine.
 
     Raises (while iterating):
         RequestFailedError: this request failed in the engine (``.message`` says where and why,
@@ -92,12 +102,22 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator["RequestOutput"]:
+        behind: Any = _NOTHING  # an end-of-stream item found while merging; handled after the merged output
         try:
             while not self.finished:
-                item = await self._queue.get()
-                while item is not _CLOSED and not isinstance(item, BaseException) and not self._queue.empty():
-                    nxt = self._queue.get_nowait()  # skip to the newest cumulative snapshot
-                    item = nxt
+                if behind is not _NOTHING:
+                    item, behind = behind, _NOTHING
+                else:
+                    item = await self._queue.get()
+                if _is_output(item) and not self._queue.empty():
+                    batch = [item]          # the consumer fell behind: merge the waiting outputs
+                    while not self._queue.empty():
+                        nxt = self._queue.get_nowait()
+                        if not _is_output(nxt):
+                            behind = nxt
+                            break
+                        batch.append(nxt)
+                    item = merge_outputs(batch)
                 if item is _CLOSED:
                     raise EngineShutdownError(f"engine shut down before request {self.request_id} finished")
                 if isinstance(item, BaseException):
@@ -251,7 +271,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | None, params: "SamplingParams",
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator["RequestOutput"]:
-        """Add a request and yield its cumulative outputs until it finishes (see :class:`RequestStream`)."""
+        """Add a request and yield its outputs until it finishes (see :class:`RequestStream`)."""
         stream = await self.add_request(request_id, prompt, params, prompt_token_ids)
         async for out in stream:
             yield out

@@ -5,8 +5,9 @@ Tokenization, the chat template and the context-length check run on the engine t
 ``prepare`` callable of :meth:`AsyncEngine.add_request`, so a bad request is rejected (HTTP 400) before
 anything is streamed, and the tokenizer is only ever used by one thread.
 
-Streaming replies are Server-Sent Events: ``data: <chunk JSON>\\n\\n`` per chunk, a final usage chunk
-with empty ``choices`` when ``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.
+Streaming replies are Server-Sent Events: ``data: <chunk JSON>\\n\\n`` per chunk, whose text is the
+engine output's ``delta_text`` (O(new tokens) per step, not the whole text), a final usage chunk with
+empty ``choices`` when ``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.
 
 A request that cannot finish gets an OpenAI error (:func:`engine_error`): a non-streamed one as its
 HTTP reply, a streamed one as a last ``data: {"error": ...}`` event before ``[DONE]``: 503 when the
@@ -257,7 +258,6 @@ class OpenAIServing:
     async def completion_sse(self, req: CompletionRequest, request_id: str, created: int,
                              streams: list[RequestStream], infos: list[_Prepared]) -> AsyncIterator[str]:
         model = self.served_model_name
-        sent: dict[int, int] = {}
         done: set[int] = set()
 
         def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -274,10 +274,9 @@ class OpenAIServing:
                     idx = pi * req.n + c.index
                     if idx in done:
                         continue
-                    delta = c.text[sent.get(idx, 0):]
+                    delta = c.delta_text                # new since this request's previous output
                     reason = _finish_reason(c.finish_reason)
                     if delta or reason is not None:
-                        sent[idx] = len(c.text)
                         if reason is not None:
                             done.add(idx)
                         yield chunk([CompletionStreamChoice(index=idx, text=delta, finish_reason=reason,
@@ -320,7 +319,6 @@ class OpenAIServing:
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                            usage=usage))
-        sent: dict[int, int] = {}
         done: set[int] = set()
         try:
             # the first chunk of every choice carries the role (OpenAI sends it before any content)
@@ -332,10 +330,9 @@ class OpenAIServing:
                 for c in out.outputs:
                     if c.index in done:
                         continue
-                    delta = c.text[sent.get(c.index, 0):]
+                    delta = c.delta_text                # new since this request's previous output
                     reason = _finish_reason(c.finish_reason)
                     if delta or reason is not None:
-                        sent[c.index] = len(c.text)
                         if reason is not None:
                             done.add(c.index)
                         yield chunk([ChatCompletionStreamChoice(

@@ -197,9 +197,6 @@ def test_forward_failure_fails_the_batch_and_the_engine_runs_on(tiny, backend):
     check_still_serves(engine, tiny)
 
 
-@pytest.mark.xfail(strict=True, reason="KV cache: prepare() registers a step's full prompt units in the "
-                   "prefix cache before the forward writes them, and the interface has no way to drop "
-                   "them when the forward fails (needs e.g. free(seq_id, written=False))")
 def test_a_failed_prefill_is_not_served_from_the_prefix_cache(tiny, backend):
     """The retry of a request whose forward failed recomputes what it must: same tokens as transformers."""
     engine = make_engine(tiny, backend)

@@ -94,10 +94,10 @@ class TimedAllocator:
         self.kv_cache = kv_cache
         self.time_s = 0.0
 
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             self.time_s += time.perf_counter() - t0
 
@@ -111,8 +111,8 @@ class TimedAllocator:
     def fork(self, parent_id: int, child_id: int) -> None:
         self._timed(self.kv_cache.fork, parent_id, child_id)
 
-    def free(self, seq_id: int) -> None:
-        self._timed(self.kv_cache.free, seq_id)
+    def free(self, seq_id: int, written: bool = True) -> None:
+        self._timed(self.kv_cache.free, seq_id, written=written)
 
     def seq_len(self, seq_id: int) -> int:
         return self.kv_cache.seq_len(seq_id)
@@ -176,7 +176,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         try:
             if self.alloc.has_seq(seq.seq_id):
-                self.alloc.free(seq.seq_id)
+                # its last prepare() may have registered prefix units a failed forward never wrote
+                self.alloc.free(seq.seq_id, written=False)
         except Exception as exc:
             if is_fatal_error(exc):
                 raise

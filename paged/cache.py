@@ -449,6 +449,21 @@ class PagedKVCache(KVCache):
             num_cow_copies=self._num_cow_copies,
             unit_tokens=bs)
 
+    def backend_stats(self) -> dict:
+        """Block-pool counts: ``num_blocks``, ``block_size``, ``num_free_blocks``,
+        ``num_cached_free_blocks``, ``num_cached_blocks`` (prefix entries), ``num_cow_copies``,
+        ``num_prefix_evictions``."""
+        self._check_open()
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_cached_free_blocks": self.pool.num_cached_free_blocks,
+            "num_cached_blocks": self.pool.num_cached_blocks,
+            "num_cow_copies": self._num_cow_copies,
+            "num_prefix_evictions": self.pool.num_evictions,
+        }
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` naming the numbers if block tables, refcounts, the free list or
         the hash map disagree."""

@@ -500,6 +500,15 @@ def test_close_is_idempotent(case):
         assert c2.allocate(1, 3) == 0
 
 
+def test_backend_stats_is_a_dict_of_plain_values(cache, gen):
+    cache.allocate(1, 5)
+    write_all_layers(cache, 1, 0, 5, gen)
+    stats = cache.backend_stats()
+    assert isinstance(stats, dict) and stats
+    assert all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in stats.items())
+    assert stats["num_cow_copies"] == cache.usage().num_cow_copies
+
+
 # ----------------------------------------------------------------------------- prefix caching
 def _prefix_unit(cache) -> int:
     unit = cache.usage().unit_tokens

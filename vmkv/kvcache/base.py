@@ -418,6 +418,11 @@ class KVCache(abc.ABC):
     def usage(self) -> CacheUsage:
         """Current :class:`CacheUsage`."""
 
+    def backend_stats(self) -> dict:
+        """Backend-specific counters for benchmarks and metrics (JSON-serialisable values): vmem
+        reports its map/unmap counts and latencies, paged its block-pool counts.  Default ``{}``."""
+        return {}
+
     @abc.abstractmethod
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` naming the numbers if internal counts disagree."""

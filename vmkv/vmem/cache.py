@@ -589,7 +589,7 @@ class VMemKVCache(KVCache):
             unit_tokens=self.unit_tokens,
         )
 
-    def vmm_stats(self) -> dict:
+    def backend_stats(self) -> dict:
         """Map/unmap counts and latency (us, p50/p99), reclamation, copy-on-write and the total time
         spent in allocation (allocate/extend/fork/free and prepare's copy-on-write), for benchmarks.
 
@@ -609,6 +609,9 @@ class VMemKVCache(KVCache):
             "layout": self.layout.name,
         })
         return stats
+
+    #: the name benchmarks used before :meth:`KVCache.backend_stats`
+    vmm_stats = backend_stats
 
     def map_latency_samples_us(self) -> tuple[list[float], list[float]]:
         """Raw ``(map_us, unmap_us)`` samples (the most recent 100k of each); a map sample is per

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 
-from vmkv.kvcache.base import KVCacheError
+from vmkv.kvcache.errors import KVCacheError
 from vmkv.kvcache.prefix import PrefixEntry, PrefixIndex, UnitKey
 
 __all__ = ["BlockPool", "BlockPoolError", "NoFreeBlocksError", "InvalidBlockError",

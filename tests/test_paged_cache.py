@@ -50,14 +50,14 @@ def write_all_layers(cache, seq_id, start, n, gen):
 
 
 def snapshot(cache):
-    return (cache.usage(), {s: cache.block_table(s) for s in list(cache._seqs)},
+    return (cache.usage(), {s: cache.block_table(s) for s in list(cache.seqs)},
             cache.pool.free_block_ids(), cache.kv_tensor.clone())
 
 
 def assert_unchanged(cache, snap):
     usage, tables, free_ids, kv = snap
     assert cache.usage() == usage
-    assert {s: cache.block_table(s) for s in list(cache._seqs)} == tables
+    assert {s: cache.block_table(s) for s in list(cache.seqs)} == tables
     assert cache.pool.free_block_ids() == free_ids
     assert torch.equal(cache.kv_tensor, kv)
     cache.check_integrity()
@@ -384,7 +384,7 @@ def test_integrity_detects_corruption():
     with pytest.raises(AssertionError, match="block 1: refcount 2 but 1"):
         cache.check_integrity()
     cache.pool.decref(1)
-    cache._seqs[1].block_table.append(5)
+    cache.seqs[1].units.append(5)
     with pytest.raises(AssertionError, match="3 blocks for seq_len 6"):
         cache.check_integrity()
 

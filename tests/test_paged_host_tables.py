@@ -98,26 +98,26 @@ def test_rows_are_recycled_and_zeroed():
     cache = make(max_num_seqs=2)
     cache.allocate(1, 9)
     cache.allocate(2, 3)
-    row1 = cache._seqs[1].row
+    row1 = cache.seqs[1].row
     cache.free(1)
-    assert not cache._host_tables.array[row1].any()
+    assert not cache.blocks.tables.array[row1].any()
     cache.allocate(3, 2)
-    assert cache._seqs[3].row == row1
+    assert cache.seqs[3].row == row1
     check_step(cache, [StepSeq(3, 0, 2), StepSeq(2, 0, 3)])
     cache.close()
-    assert not cache._host_tables.array.any() and cache._host_tables.num_free_rows == 2
+    assert not cache.blocks.tables.array.any() and cache.blocks.tables.num_free_rows == 2
 
 
 def test_integrity_detects_a_stale_host_row():
     cache = make()
     cache.allocate(1, 9)
     cache.check_integrity()
-    row = cache._seqs[1].row
-    cache._host_tables.array[row, 0] += 1
+    row = cache.seqs[1].row
+    cache.blocks.tables.array[row, 0] += 1
     with pytest.raises(AssertionError, match="host block-table row"):
         cache.check_integrity()
-    cache._host_tables.array[row, 0] -= 1
-    cache._host_tables.array[row, 5] = 7  # padding past the 3 blocks must stay 0
+    cache.blocks.tables.array[row, 0] -= 1
+    cache.blocks.tables.array[row, 5] = 7  # padding past the 3 blocks must stay 0
     with pytest.raises(AssertionError, match="padded with 0"):
         cache.check_integrity()
 
@@ -130,7 +130,7 @@ def test_cow_in_prepare_updates_the_host_row():
     assert cache.block_table(1) == cache.block_table(2)
     check_step(cache, [StepSeq(2, 5, 1)])  # writes into shared block 1 -> copy for sequence 2
     assert cache.block_table(2)[1] != cache.block_table(1)[1]
-    assert cache._host_tables.array[cache._seqs[2].row, :2].tolist() == cache.block_table(2)
+    assert cache.blocks.tables.array[cache.seqs[2].row, :2].tolist() == cache.block_table(2)
     cache.check_integrity()
 
 
@@ -139,18 +139,18 @@ def test_written_marks_collapse_and_register_once_all_layers_are_written():
     cache = make()
     prompt = list(range(10))
     cache.allocate(1, 10, prompt)
-    s = cache._seqs[1]
-    assert s.written_all == 0 and s.written_layers is None
+    s = cache.seqs[1]
+    assert s.marks == [0, 0] and s.written == 0
     k = torch.randn(10, 1, 4, generator=gen)
     cache.write(1, 0, 0, k, k)                  # layer 0 only: per-layer marks appear
-    assert s.written_layers == [10, 0] and s.written_all == 0
+    assert s.marks == [10, 0] and s.written == 0
     assert cache.pool.num_cached_blocks == 0
     # a prepare of positions 0..5 marks every layer up to 6: layer 0 keeps 10
     cache.prepare([StepSeq(1, 0, 6)])
-    assert s.written_layers == [10, 6] and s.written_all == 6
+    assert s.marks == [10, 6] and s.written == 6
     assert cache.pool.num_cached_blocks == 1    # block 0 (positions 0..3) in every layer
     cache.prepare([StepSeq(1, 6, 4)])           # layers agree again: one scalar mark
-    assert s.written_layers is None and s.written_all == 10
+    assert s.marks == [10, 10] and s.written == 10
     assert cache.pool.num_cached_blocks == 2
     assert cache.allocate(2, 10, prompt) == 8   # two full blocks hit
     cache.check_integrity()
@@ -160,21 +160,22 @@ def test_decode_prepare_does_not_reregister():
     cache = make()
     cache.allocate(1, 8, list(range(8)))
     cache.prepare([StepSeq(1, 0, 8)])
-    assert cache._seqs[1].prefix.num_registered == 2
+    assert cache.seqs[1].prefix.num_registered == 2
     calls = []
     orig = cache.pool.register
     cache.pool.register = lambda *a: calls.append(a) or orig(*a)
     for pos in range(8, 14):
         cache.extend(1, 1)
         cache.prepare([StepSeq(1, pos, 1)])
-    assert calls == [] and cache._seqs[1].written_all == 14
+    # every prompt unit is registered: decode steps neither register nor track marks
+    assert calls == [] and cache.seqs[1].prefix.done
 
 
 def test_host_table_shape_and_dtype():
     cache = make(max_num_seqs=3, max_model_len=41)
-    assert cache._host_tables.array.shape == (3, 11) and cache._host_tables.array.dtype == np.int32
+    assert cache.blocks.tables.array.shape == (3, 11) and cache.blocks.tables.array.dtype == np.int32
     cache.allocate(1, 41)
-    assert cache._host_tables.array[cache._seqs[1].row].tolist() == cache.block_table(1)
+    assert cache.blocks.tables.array[cache.seqs[1].row].tolist() == cache.block_table(1)
 
 
 def test_host_block_tables_unit():

@@ -2,7 +2,7 @@
 
 The unit hash is 256-bit sha256 over a typed, length-prefixed encoding; every hit is verified
 against the unit's token ids, extra key and parent entry (``vmkv.kvcache.prefix.PrefixIndex``, the
-one place both backends use).  Collisions are injected by replacing ``prefix.hash_unit`` with a
+one place both backends use).  Collisions are injected by replacing ``hashing.hash_unit`` with a
 constant: every unit of every prompt then lands in one bucket, and each backend must still serve
 every sequence only its own K/V, stay consistent and raise nothing.
 """
@@ -14,7 +14,7 @@ import torch
 
 from kvcache_cases import CASE_IDS, CASES, SPEC, gather_all, one_torch_thread, rand_kv
 from vmkv import StepSeq
-from vmkv.kvcache import prefix as prefix_mod
+from vmkv.kvcache import hashing as hashing_mod
 from vmkv.kvcache.prefix import (
     HASH_BYTES,
     ROOT_HASH,
@@ -37,7 +37,7 @@ def _one_thread():
 @pytest.fixture
 def collide(monkeypatch):
     """Every unit hash is the same value: every lookup hits a bucket of strangers."""
-    monkeypatch.setattr(prefix_mod, "hash_unit", lambda *args, **kw: COLLIDING)
+    monkeypatch.setattr(hashing_mod, "hash_unit", lambda *args, **kw: COLLIDING)
 
 
 # ----------------------------------------------------------------------------- hashing

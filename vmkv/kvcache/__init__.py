@@ -1,20 +1,25 @@
-"""The KV-cache interface and its factory."""
+"""The KV-cache interface and its factory.
 
-from vmkv.kvcache.base import (
-    AttentionMetadata,
-    CacheUsage,
-    DuplicateSequenceError,
-    KVCache,
-    KVCacheError,
-    KVCacheFullError,
-    KVCacheSpec,
-    StepSeq,
-    UnknownSequenceError,
-)
-from vmkv.kvcache.registry import BACKENDS, create_kv_cache
+The names load lazily (a module ``__getattr__``), so the torch-free parts of the core
+(:mod:`vmkv.kvcache.seqtable`, :mod:`vmkv.kvcache.prefix`, :mod:`vmkv.kvcache.errors`) import
+without torch.
+"""
 
-__all__ = [
-    "AttentionMetadata", "CacheUsage", "DuplicateSequenceError", "KVCache", "KVCacheError",
-    "KVCacheFullError", "KVCacheSpec", "StepSeq", "UnknownSequenceError", "BACKENDS",
-    "create_kv_cache",
-]
+import importlib
+
+_NAMES = {
+    "AttentionMetadata": "vmkv.kvcache.records", "CacheUsage": "vmkv.kvcache.records",
+    "StepSeq": "vmkv.kvcache.records", "KVCacheSpec": "vmkv.kvcache.spec",
+    "KVCache": "vmkv.kvcache.base", "DuplicateSequenceError": "vmkv.kvcache.errors",
+    "KVCacheError": "vmkv.kvcache.errors", "KVCacheFullError": "vmkv.kvcache.errors",
+    "UnknownSequenceError": "vmkv.kvcache.errors", "TooManySequencesError": "vmkv.kvcache.errors",
+    "BACKENDS": "vmkv.kvcache.registry", "create_kv_cache": "vmkv.kvcache.registry",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,10 +17,20 @@ Per engine step (the plan/run split of FlashInfer, the metadata of vLLM v1):
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
+
+from vmkv.kvcache.errors import (
+    DuplicateSequenceError,
+    KVCacheError,
+    KVCacheFullError,
+    SlotsExhaustedError,
+    TooManySequencesError,
+    UnknownSequenceError,
+)
+from vmkv.kvcache.records import AttentionMetadata, CacheUsage, StepSeq
+from vmkv.kvcache.spec import DTYPE_NAMES, KVCacheSpec
 
 __all__ = [
     "KVCacheSpec",
@@ -32,241 +42,10 @@ __all__ = [
     "KVCacheFullError",
     "UnknownSequenceError",
     "DuplicateSequenceError",
+    "TooManySequencesError",
+    "SlotsExhaustedError",
+    "DTYPE_NAMES",
 ]
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-                "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float64": torch.float64}
-
-
-class KVCacheError(RuntimeError):
-    """Base class of the KV-cache errors."""
-
-
-class KVCacheFullError(KVCacheError):
-    """Not enough KV memory for a request.  The cache is left exactly as it was.
-
-    Attributes:
-        needed_tokens: token positions the operation needed backed.
-        available_tokens: token positions that could still be backed (0 if unknown).
-    """
-
-    def __init__(self, needed_tokens: int, available_tokens: int, detail: str = "") -> None:
-        self.needed_tokens = int(needed_tokens)
-        self.available_tokens = int(available_tokens)
-        msg = (
-            f"KV cache full: needed {self.needed_tokens} tokens, "
-            f"{self.available_tokens} available"
-        )
-        if detail:
-            msg += f" ({detail})"
-        super().__init__(msg)
-
-
-class UnknownSequenceError(KVCacheError, KeyError):
-    """The ``seq_id`` was never allocated or was already freed."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0]) if self.args else "unknown sequence"
-
-
-class DuplicateSequenceError(KVCacheError, ValueError):
-    """``allocate``/``fork`` was given a ``seq_id`` that is already live."""
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the KV cache of one model; owns all byte arithmetic.
-
-    Args:
-        num_layers: decoder layers holding a KV cache (> 0).
-        num_kv_heads: KV heads per layer (> 0; query heads are a multiple of it, GQA).
-        head_dim: elements per head (> 0).
-        dtype: element type of K and V (float32, float16, bfloat16; float64 for tests), a torch dtype
-            or a name such as ``"bf16"``.
-        device: torch device the KV lives on (``"cpu"`` or ``"cuda"``/``"cuda:N"``).
-
-    Raises:
-        ValueError: a field is out of range.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype | str = torch.float32
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.dtype, str):
-            if self.dtype not in _DTYPE_NAMES:
-                raise ValueError(f"KVCacheSpec.dtype must be one of {sorted(_DTYPE_NAMES)} or a torch "
-                                 f"dtype, got {self.dtype!r}")
-            object.__setattr__(self, "dtype", _DTYPE_NAMES[self.dtype])
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}")
-        if self.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(
-                f"KVCacheSpec.dtype must be one of {_SUPPORTED_DTYPES}, got {self.dtype!r}"
-            )
-        # normalise the device to a string so the spec stays hashable and comparable
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"KVCacheSpec.device must be a torch device such as 'cpu' or 'cuda:0', "
-                             f"got {self.device!r}") from e
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"KVCacheSpec.device must be a cpu or cuda device, got {self.device!r}")
-        object.__setattr__(self, "device", str(device))
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.torch_device.type == "cuda"
-
-    @property
-    def dtype_bytes(self) -> int:
-        """Bytes per element of K or V."""
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def head_bytes(self) -> int:
-        """Bytes of one token's K (or V) for one head: ``head_dim * dtype_bytes``."""
-        return self.head_dim * self.dtype_bytes
-
-    @property
-    def bytes_per_token_per_layer(self) -> int:
-        """K + V bytes of one token in one layer: ``2 * num_kv_heads * head_dim * dtype_bytes``."""
-        return 2 * self.num_kv_heads * self.head_bytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K + V bytes of one token over all layers (BENCHMARKS.md: 128 KiB for Llama-3-8B bf16)."""
-        return self.num_layers * self.bytes_per_token_per_layer
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        """Bytes of K + V for ``num_tokens`` tokens over all layers."""
-        return int(num_tokens) * self.bytes_per_token
-
-    def max_tokens_for_bytes(self, memory_bytes: int) -> int:
-        """How many whole tokens of KV fit in ``memory_bytes``."""
-        return int(memory_bytes) // self.bytes_per_token
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """A snapshot of a cache's memory.  All ``*_bytes`` count K and V of all layers.
-
-    Attributes:
-        num_seqs: live sequences.
-        used_tokens: sum of ``seq_len`` over live sequences (logical tokens, shared ones counted
-            once per sequence that uses them).
-        allocated_bytes: KV memory physically backing sequences now (blocks in use by a live
-            sequence; pages mapped into a live slot).  Shared units count once.
-        waste_bytes: part of ``allocated_bytes`` that holds no token of any live sequence
-            (block or page tails, over-mapped pages).
-        capacity_bytes: KV memory the cache may back in total (its budget).
-        mapped_bytes: physical memory held by the backend now, including free-but-kept units
-            (cached free blocks, pages kept mapped by deferred reclamation).
-        reserved_bytes: virtual address space reserved (vmem; equals capacity for paged).
-        free_tokens: token positions the free KV memory can still back, pool-wide (free blocks x
-            block size; obtainable pages x tokens per page), not capped at ``max_model_len``.  While
-            fewer than ``max_num_seqs`` sequences are live, ``can_allocate(n)`` holds for
-            ``n <= min(free_tokens, max_model_len)`` (vmem: up to a page tail less when a page
-            holds a fractional number of tokens).
-        prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up / found in the prefix cache.
-        num_cow_copies: copy-on-write copies made so far.
-        unit_tokens: tokens per allocation unit (block size, or tokens per page; 0 if fractional).
-    """
-
-    num_seqs: int
-    used_tokens: int
-    allocated_bytes: int
-    waste_bytes: int
-    capacity_bytes: int
-    mapped_bytes: int = 0
-    reserved_bytes: int = 0
-    free_tokens: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_cow_copies: int = 0
-    unit_tokens: int = 0
-
-    @property
-    def waste_pct(self) -> float:
-        return 100.0 * self.waste_bytes / self.allocated_bytes if self.allocated_bytes else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class StepSeq:
-    """One sequence scheduled in a step.
-
-    Args:
-        seq_id: a live sequence.
-        num_computed_tokens: positions ``0..num_computed_tokens-1`` already hold K/V.
-        num_new_tokens: this step writes positions ``num_computed_tokens ..
-            num_computed_tokens + num_new_tokens - 1`` (the query length; 1 for decode).
-    """
-
-    seq_id: int
-    num_computed_tokens: int
-    num_new_tokens: int
-
-
-@dataclass
-class AttentionMetadata:
-    """Built once per step by :meth:`KVCache.prepare`, passed to every layer.
-
-    Common fields (on the cache's device):
-        seq_ids: the step's sequences, in batch order (host list).
-        query_start_loc: ``int32 [num_seqs + 1]``, cumulative new-token counts (cu_seqlens_q).
-        seq_lens: ``int32 [num_seqs]``, context length after this step (computed + new).
-        context_lens: ``int32 [num_seqs]``, tokens already cached before this step.
-        positions: ``int64 [num_tokens]``, position of every new token.
-        slot_mapping: ``int64 [num_tokens]``, flat write index of every new token into the
-            ``[dim0, dim1, H, D]`` cache view: ``index0 * dim1 + index1`` (paged: block id and
-            offset in block; vmem: slot and position).
-        max_query_len, max_seq_len: host ints.
-        is_decode: every sequence has exactly one new token.
-    Backend fields:
-        block_tables: paged: ``int32 [num_seqs, max_blocks_per_seq]`` (padded with 0).
-        slot_indices: vmem: ``int32 [num_seqs]``, each sequence's slot.
-        last_token_indices: ``int64 [num_seqs]``, index in the step's tokens of each sequence's
-            last new token (where logits are read).
-    """
-
-    seq_ids: list
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    context_lens: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    is_decode: bool
-    last_token_indices: torch.Tensor
-    block_tables: torch.Tensor | None = None
-    slot_indices: torch.Tensor | None = None
-    # host copies for reference paths (avoid device syncs)
-    seq_lens_host: list = field(default_factory=list)
-    query_lens_host: list = field(default_factory=list)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
 
 
 class KVCache(abc.ABC):

@@ -79,6 +79,12 @@ class VMMError(RuntimeError):
             msg += f" ({detail})"
         super().__init__(msg)
 
+    @property
+    def out_of_memory(self) -> bool:
+        """The device or the host could not provide the memory (``CUDA_ERROR_OUT_OF_MEMORY``,
+        ``ENOMEM``, ``ENOSPC``): a full cache, not a broken one."""
+        return self.code.split(" ")[0] in ("CUDA_ERROR_OUT_OF_MEMORY", "ENOMEM", "ENOSPC")
+
 
 class VMMDriver(abc.ABC):
     """The driver protocol, with the bookkeeping and argument checks both drivers share.

@@ -108,13 +108,14 @@ class SlotMapper:
         # pages are evicted by it; at most one entry per created page)
         self._last_use: dict[int, int] = {}
         self._reclaimable: set[int] = set()
+        self._pending: set[int] = set()      # sources of copies planned but not yet made
         self._tick = 0
         # per page: batch wall time / pages in the batch; per batch: wall time and page count
         self.map_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
         self.map_batch_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
         self.pages_per_batch: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
         self.unmap_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
-        self.num_maps = self.num_unmaps = self.num_reclaimed_pages = self.num_cow_copies = 0
+        self.num_maps = self.num_unmaps = self.num_reclaimed_pages = 0
         self.num_fence_waits = self.num_map_batches = self.num_set_access_calls = 0
         self.num_prefetched_pages = 0
         self.num_prefix_evictions = 0
@@ -447,17 +448,20 @@ class SlotMapper:
             self._set_claimed(slot, old)
             raise
 
-    def grow(self, slot: Slot, num_units: int, cow_units: Iterable[int], copy_below_bytes: int) -> None:
+    def grow(self, slot: Slot, num_units: int, cow_units: Iterable[int],
+             copy_below_bytes: int) -> list[tuple]:
         """Claim units up to ``num_units`` (reusing kept unshared pages), then copy-on-write the
         shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
-        row are copied, others just replaced)."""
+        row are copied, others just replaced).  Returns the copies to make (:meth:`make_writable`)."""
         old = slot.claimed
         cow_units = [u for u in cow_units if u < old]
         if num_units > old:
             self._claim_units(slot, old, num_units)
         page_bytes = self.layout.page_size_bytes
+        pairs = []
         for u in cow_units:
-            self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
+            pairs += self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
+        return pairs
 
     # ------------------------------------------------------------------ copy-on-write
     def any_shared(self, slot: Slot, units: Iterable[int]) -> bool:
@@ -476,24 +480,45 @@ class SlotMapper:
                    if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1)
 
     def make_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int],
-                      copy: bool = True) -> None:
+                      copy: bool = True) -> list[tuple]:
         """Before writing into claimed ``units``: give every shared page a private copy
-        (copy-on-write) and drop the prefix entry of unshared pages (their content changes)."""
+        (copy-on-write) and drop the prefix entry of unshared pages (their content changes).
+
+        Returns:
+            ``(src_va, dst_va, src_slot, unit)`` of each page whose bytes the caller must copy (in
+            reverse order, after the whole batch: a later copy may remap an earlier source), then
+            pass to :meth:`copied`.  Sources stay mapped until then (:attr:`_pending`).
+        """
         reservations = tuple(reservations)
+        pairs = []
         for u in units:
             for r in reservations:
                 page = slot.page(u, r)
                 if page is None:
                     continue
                 if self.pool.refcount(page) > 1:
-                    self._cow(slot, u, r, copy)
+                    pair = self._cow(slot, u, r)
+                    if copy:
+                        pairs.append(pair)
+                        self._pending.add(page)
                 else:
                     self._forget(page)
+        return pairs
 
-    def _cow(self, slot: Slot, unit: int, res: int, copy: bool) -> None:
+    def copied(self, pairs: Sequence[tuple]) -> None:
+        """The bytes of ``pairs`` (from :meth:`make_writable`) are copied: a source mapping that is
+        not claimed may be reclaimed later, after a fence recorded now."""
+        self._pending.clear()
+        fence = None
+        for *_, src, unit in pairs:
+            if not self._is_claimed(src, unit):
+                fence = self.driver.record_fence() if fence is None else fence
+                src.fence = fence
+
+    def _cow(self, slot: Slot, unit: int, res: int) -> tuple:
         old = slot.page(unit, res)
         src = self.slots[min(self._where[old] - {slot.index})]
-        self._ensure_pool(1)
+        self._ensure_pool(1, frozenset(self._pending | {old}))
         new = self.pool.acquire()
         if self._is_claimed(slot, unit):
             self._sync()        # kernels of earlier steps may still read this slot's page
@@ -505,12 +530,7 @@ class SlotMapper:
         except BaseException:
             self.pool.give_back(new)
             raise
-        if copy:
-            self.driver.copy_page(self.va(res, slot.index, unit), self.va(res, src.index, unit))
-            self.num_cow_copies += 1
-            if not self._is_claimed(src, unit):
-                # the source mapping may be reclaimed later: it must wait for this copy
-                src.fence = self.driver.record_fence()
+        return self.va(res, src.index, unit), self.va(res, slot.index, unit), src, unit
 
     # ------------------------------------------------------------------ fork, free, look-ahead
     def share(self, child: Slot, parent: Slot, seq_id: int, num_units: int) -> None:
@@ -609,7 +629,6 @@ class SlotMapper:
             "num_reclaimed_pages": self.num_reclaimed_pages,
             "num_prefix_evictions": self.num_prefix_evictions,
             "num_cached_free_pages": len(self.pool.cached_pages()),
-            "num_cow_copies": self.num_cow_copies,
             "num_fence_waits": self.num_fence_waits,
             "num_pages_created": self.pool.num_created,
         }

@@ -1,0 +1,128 @@
+"""Unit keys of the prefix cache: typed extra-key encoding and the chained sha256 of full units.
+
+Torch-free; see :mod:`vmkv.kvcache.prefix` for the verified index that uses these keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+__all__ = ["HASH_BYTES", "ROOT_HASH", "UnitKey", "encode_extra_key", "hash_unit", "unit_keys"]
+
+#: bytes of a unit hash (sha256)
+HASH_BYTES = 32
+#: parent hash of a sequence's first unit
+ROOT_HASH = bytes(HASH_BYTES)
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+# ---------------------------------------------------------------------------------------- encoding
+def _length(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
+def _encode(value: object, out: list[bytes]) -> None:
+    # one tag byte per value, then a fixed-size or length-prefixed payload: no two values of
+    # different types or contents share an encoding (repr() would: 1 / True / "1" ...)
+    if value is None:
+        out.append(b"N")
+    elif isinstance(value, bool):
+        out.append(b"B\x01" if value else b"B\x00")
+    elif isinstance(value, int):
+        raw = value.to_bytes(max(1, (value.bit_length() + 8) // 8), "little", signed=True)
+        out += (b"I", _length(len(raw)), raw)
+    elif isinstance(value, float):
+        if math.isnan(value):
+            raise ValueError("extra_key must not contain NaN (it never equals itself)")
+        out += (b"F", struct.pack("<d", value))
+    elif isinstance(value, str):
+        raw = value.encode("utf-8", "surrogatepass")
+        out += (b"S", _length(len(raw)), raw)
+    elif isinstance(value, (bytes, bytearray)):
+        out += (b"Y", _length(len(value)), bytes(value))
+    elif isinstance(value, tuple):
+        out += (b"T", _length(len(value)))
+        for item in value:
+            _encode(item, out)
+    else:
+        raise TypeError(f"extra_key must be None, bool, int, float, str, bytes or a tuple of those, "
+                        f"got {type(value).__name__}; convert it to one of these (e.g. str)")
+
+
+def encode_extra_key(extra_key: Hashable) -> bytes:
+    """Canonical, typed, length-prefixed bytes of ``extra_key`` (``None`` -> ``b"N"``).
+
+    Two keys have equal encodings only if they have the same types and equal values, so
+    ``1``, ``True``, ``1.0`` and ``"1"`` are four different keys.
+
+    Raises:
+        TypeError: a type other than None, bool, int, float, str, bytes or tuple (of those).
+        ValueError: a NaN float.
+    """
+    out: list[bytes] = []
+    _encode(extra_key, out)
+    return b"".join(out)
+
+
+def hash_unit(parent_hash: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
+    """sha256 of one full unit chained on its parent (stable across processes and platforms).
+
+    The input is unambiguous: the 32-byte parent hash, the number of tokens, each token id as a
+    little-endian int64, then ``extra`` (an :func:`encode_extra_key` encoding, self-delimiting).
+
+    Args:
+        parent_hash: the previous unit's hash, :data:`ROOT_HASH` for the first unit.
+        token_ids: the unit's token ids, each in the int64 range.
+        extra: ``encode_extra_key(extra_key)``.
+    """
+    h = hashlib.sha256(parent_hash)
+    h.update(_length(len(token_ids)))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class UnitKey:
+    """What identifies one full unit of a request: its chained hash (the lookup key) and the
+    token ids and encoded extra key a hit is verified against."""
+
+    hash: bytes
+    token_ids: tuple[int, ...]
+    extra: bytes
+
+
+def unit_keys(token_ids: Sequence[int], unit_tokens: int, extra_key: Hashable = None,
+              max_units: int | None = None) -> list[UnitKey]:
+    """Keys of the full units of ``token_ids`` (``len // unit_tokens`` of them, or ``max_units``).
+
+    Args:
+        token_ids: the prompt's token ids (ints in the int64 range).
+        unit_tokens: tokens per unit (> 0).
+        extra_key: salt of every unit (tenant, LoRA id ...), see :func:`encode_extra_key`.
+        max_units: stop after this many units.
+    Raises:
+        ValueError: ``unit_tokens <= 0`` or a token id outside int64; TypeError: see
+        :func:`encode_extra_key`.
+    """
+    if unit_tokens <= 0:
+        raise ValueError(f"unit_tokens must be > 0, got {unit_tokens}")
+    extra = encode_extra_key(extra_key)
+    tokens = [int(t) for t in token_ids]
+    if tokens and not _INT64[0] <= min(tokens) <= max(tokens) <= _INT64[1]:
+        raise ValueError(f"token ids must be in the int64 range, got {min(tokens)}..{max(tokens)}")
+    n = len(tokens) // unit_tokens
+    if max_units is not None:
+        n = min(n, max_units)
+    keys: list[UnitKey] = []
+    parent = ROOT_HASH
+    for i in range(n):
+        unit = tuple(tokens[i * unit_tokens:(i + 1) * unit_tokens])
+        parent = hash_unit(parent, unit, extra)
+        keys.append(UnitKey(parent, unit, extra))
+    return keys

@@ -1,0 +1,79 @@
+"""Where a vmem sequence goes: the host page size and the choice of a free slot (torch-free
+arithmetic over the mapper's slots; DESIGN.md "vmem backend / Pool and reclamation")."""
+
+from __future__ import annotations
+
+import math
+import mmap
+from typing import Sequence
+
+from vmkv.vmem.mapper import Slot, SlotMapper
+
+__all__ = ["default_host_page_size", "pick_slot", "pick_fork_slot", "HOST_TARGET_PAGE_BYTES"]
+
+#: the host driver's default page is the smallest multiple of lcm(OS page, token bytes) >= this ...
+HOST_TARGET_PAGE_BYTES = 64 * 1024
+#: ... unless that lcm exceeds this (then pages hold fractional tokens and prefix caching is off)
+_HOST_MAX_PAGE_BYTES = 2 * 1024 * 1024
+
+
+def default_host_page_size(token_bytes: int, max_model_len: int) -> int:
+    """Host page size: whole tokens per page (so prefix caching works) and about 64 KiB.
+
+    The smallest multiple of ``lcm(OS page size, token_bytes)`` (bytes of one token in a slot row)
+    that is at least 64 KiB, but no larger than one slot row needs; 64 KiB (fractional tokens per
+    page) when that lcm exceeds 2 MiB.
+    """
+    base = math.lcm(mmap.PAGESIZE, token_bytes)
+    if base > _HOST_MAX_PAGE_BYTES:
+        return HOST_TARGET_PAGE_BYTES
+    row_bytes = max_model_len * token_bytes
+    return base * max(1, min(-(-HOST_TARGET_PAGE_BYTES // base), -(-row_bytes // base)))
+
+
+def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]]) -> Slot:
+    """Best fit among free slots: fewest driver calls to occupy it (a prefix-hit page already in
+    place costs none, a hole one map, a page to replace or a cached prefix page to move out an
+    unmap and a map); then the kept mapping closest to ``num_units`` from above (else the largest
+    below); then the lowest index."""
+    refcount, is_cached = mapper.refcount, mapper.prefix.is_cached
+    num_res = mapper.num_res
+
+    def calls(s: Slot) -> int:
+        n = num_units * num_res         # a map per position, corrected for what is in place
+        for u, pages in s.units.items():
+            if u >= num_units:
+                continue
+            for r, p in enumerate(pages):
+                if p is None:
+                    continue
+                if u < len(hits):
+                    n += -1 if p == hits[u][r] else 1
+                elif refcount(p) > 1 or is_cached(p):
+                    n += 1
+                else:
+                    n -= 1
+        return n
+
+    def key(s: Slot):
+        kept = len(s.units)
+        fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
+        return (calls(s), fit, s.index)
+    free = [s for s in mapper.slots if s.is_free]
+    # slots that keep no pages all score alike: only the lowest-index one competes (keeps the
+    # choice O(slots with kept pages) instead of O(free slots x units) per admission)
+    candidates = [s for s in free if s.units]
+    empty = [s for s in free if not s.units]
+    if empty:
+        candidates.append(min(empty, key=lambda s: s.index))
+    return min(candidates, key=key)
+
+
+def pick_fork_slot(mapper: SlotMapper, parent: Slot, num_units: int) -> Slot:
+    """The free slot whose kept pages differ least from ``parent``'s first ``num_units`` units."""
+    res = range(mapper.num_res)
+
+    def mismatches(s: Slot) -> int:
+        return sum(1 for u in range(num_units) for r in res
+                   if s.page(u, r) is not None and s.page(u, r) != parent.page(u, r))
+    return min((s for s in mapper.slots if s.is_free), key=lambda s: (mismatches(s), s.index))

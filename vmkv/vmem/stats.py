@@ -1,0 +1,140 @@
+"""The vmem cache's introspection and off-critical-path work: usage, map/unmap statistics,
+integrity checks and prefetch (a mixin of :class:`~vmkv.vmem.cache.VMemKVCache`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+from vmkv.kvcache.seqtable import check_count
+from vmkv.vmem.host_driver import HostDriver
+
+__all__ = ["VMemStatsMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+class VMemStatsMixin:
+    """Needs ``layout``, ``mapper``, ``pool``, ``driver``, ``prefix``, ``seqs`` of the cache."""
+
+    def prefetch(self, seq_ids: Sequence[int], num_tokens: int) -> None:
+        """Map ahead, off the critical path: back positions up to ``seq_len + num_tokens`` of each
+        live sequence in ``seq_ids`` now (unknown ids are skipped), so the ``extend`` calls that
+        reach them find their pages mapped and make no driver call (vAttention, Prabhu et al.,
+        ASPLOS'25, section 6.1: overlap memory allocation with compute).
+
+        Best effort: only free pool pages are used (no reclaiming, no fence wait), units holding
+        a shared page are left alone, ``seq_len`` does not change.  The pages are not claimed: they
+        stay reclaimable, so they count in ``usage().free_tokens`` and ``can_allocate`` and an
+        admission that needs them unmaps them; ``usage().mapped_bytes`` includes them,
+        ``allocated_bytes`` does not until ``extend`` reaches them.  Each sequence's pages are
+        mapped in one batch (one ``set_access`` per run of adjacent pages).
+
+        Args:
+            seq_ids: sequence ids.
+            num_tokens: look-ahead in positions, an int >= 0 (0 does nothing).
+        Raises:
+            ValueError: ``num_tokens`` is not an int >= 0.  VMMError: a driver call failed (the
+            batch is undone; the cache stays consistent).  Never KVCacheFullError.
+        """
+        self._check_open()
+        num_tokens = check_count("num_tokens", num_tokens, 0)
+        if not num_tokens:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            for seq_id in seq_ids:
+                if self.mapper.pool.num_available == 0:
+                    break
+                seq = self.seqs.lookup(seq_id)
+                if seq is None:
+                    continue
+                target = min(self.max_model_len, seq.seq_len + num_tokens)
+                self.mapper.prefetch(seq.units, self.layout.num_units(target))
+        finally:
+            self._prefetch_ns += time.perf_counter_ns() - t0
+
+    def _memory_usage(self) -> dict:
+        page = self.layout.page_size_bytes
+        used: dict[int, int] = {}
+        for seq in self.seqs.values():
+            slot = seq.units
+            for u in range(slot.claimed):
+                b = self.layout.unit_used_bytes(seq.seq_len, u)
+                for p in slot.units[u]:
+                    if used.get(p, -1) < b:
+                        used[p] = b
+        allocated = len(used) * page
+        return dict(allocated_bytes=allocated, waste_bytes=allocated - sum(used.values()),
+                    capacity_bytes=self.pool.max_pages * page,
+                    mapped_bytes=self.mapper.num_mapped_pages() * page,
+                    reserved_bytes=self.layout.num_reservations * self.layout.reservation_bytes,
+                    free_tokens=self._free_tokens())
+
+    def backend_stats(self) -> dict:
+        """Map/unmap counts and latency (us, p50/p99), reclamation, copy-on-write and the total time
+        spent in allocation (allocate/extend/fork/free and prepare's copy-on-write), for benchmarks.
+
+        ``map_us_*`` are per page (a batch's wall time / its pages); ``map_batch_us_*``,
+        ``pages_per_batch_*``, ``num_map_batches`` and ``num_set_access_calls`` describe the batches.
+        ``prefetch_time_us`` / ``num_prefetched_pages``: time and pages of :meth:`prefetch` (not in
+        ``alloc_time_us``)."""
+        self._check_open()
+        stats = self.mapper.stats()
+        stats.update({
+            "num_cow_copies": self.num_cow_copies,
+            "alloc_time_us": self._alloc_ns / 1e3,
+            "prefetch_time_us": self._prefetch_ns / 1e3,
+            "page_size_bytes": self.layout.page_size_bytes,
+            "pages_per_unit": self.layout.pages_per_unit,
+            "num_prefix_entries": len(self.prefix),
+            "driver": self.driver.name,
+            "layout": self.layout.name,
+        })
+        return stats
+
+    #: the name benchmarks used before :meth:`KVCache.backend_stats`
+    def vmm_stats(self) -> dict:
+        """Alias of :meth:`backend_stats`."""
+        return self.backend_stats()
+
+    def map_latency_samples_us(self) -> tuple[list[float], list[float]]:
+        """Raw ``(map_us, unmap_us)`` samples (the most recent 100k of each); a map sample is per
+        page: its batch's wall time / the batch's pages."""
+        return list(self.mapper.map_us), list(self.mapper.unmap_us)
+
+    def map_batch_samples(self) -> tuple[list[float], list[int]]:
+        """Raw ``(batch wall time us, pages in the batch)`` of the most recent 100k map batches."""
+        return list(self.mapper.map_batch_us), list(self.mapper.pages_per_batch)
+
+    def _check_units(self) -> None:
+        self.mapper.check_integrity()
+        unbacked = self.layout.unbacked_anchors(self.driver, self.mapper.base_tensors)
+        if unbacked:
+            raise AssertionError(f"kernel launches would receive unbacked addresses {unbacked}")
+        live = {s.index: s for s in self.mapper.slots if not s.is_free}
+        if len(live) != len(self.seqs):
+            raise AssertionError(f"{len(live)} live slots for {len(self.seqs)} sequences")
+        for seq in self.seqs.values():
+            slot = seq.units
+            if live.get(slot.index) is not slot or slot.seq_id != seq.seq_id:
+                raise AssertionError(f"sequence {seq.seq_id!r} owns slot {slot.index}, which holds "
+                                     f"{slot.seq_id!r}")
+            need = self.layout.num_units(seq.seq_len)
+            if slot.claimed < need:
+                raise AssertionError(f"sequence {seq.seq_id!r}: seq_len {seq.seq_len} needs {need} "
+                                     f"units, slot claims {slot.claimed}")
+
+    def _warn_map_count(self, max_pages: int) -> None:
+        if not isinstance(self.driver, HostDriver):
+            return
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                limit = int(f.read())
+        except (OSError, ValueError):
+            return
+        # each mapped page may split its reservation's mapping in two
+        if 2 * max_pages + 2 * self.layout.num_reservations > limit:
+            logger.warning("up to %d host mappings may exceed vm.max_map_count=%d; raise "
+                           "page_size_bytes or the sysctl", 2 * max_pages, limit)

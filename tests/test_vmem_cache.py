@@ -15,6 +15,7 @@ from vmkv import KVCacheFullError, KVCacheSpec, StepSeq, create_kv_cache
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
 from vmkv.vmem import HostDriver, SlotsExhaustedError, VMemKVCache
+from vmkv.vmem.driver import VMMError
 from vmem_helpers import random_kv, random_op, write_all
 
 PAGE = 4096
@@ -566,3 +567,41 @@ def test_random_operations_against_an_oracle(make, layout):
     assert u.used_tokens == sum(len(t) for t in tokens.values())
     assert u.allocated_bytes <= u.mapped_bytes <= u.capacity_bytes
     assert u.prefix_hit_tokens > 0 and u.num_cow_copies > 0
+
+
+def test_page_creation_out_of_memory_is_a_full_cache(make, layout, monkeypatch):
+    """A cuMemCreate / page-file growth that runs out of memory is KVCacheFullError (the engine
+    preempts), changes nothing, and the cache works once memory is back."""
+    c = make()
+    c.allocate(1, 5)
+    c.check_integrity()
+    before = (c.usage(), c.driver.num_pages, c.driver.num_mappings)
+    drv = c.driver
+
+    def no_memory():
+        raise VMMError(drv.calls["create_page"], "ENOMEM (Cannot allocate memory)", "injected")
+    monkeypatch.setattr(drv, "_create_page", no_memory)
+    with pytest.raises(KVCacheFullError, match="could not create a page") as err:
+        c.allocate(2, 3 * UT[layout])
+    assert isinstance(err.value.__cause__, VMMError) and err.value.__cause__.out_of_memory
+    with pytest.raises(KVCacheFullError):
+        c.extend(1, 3 * UT[layout])
+    assert not c.has_seq(2) and c.seq_len(1) == 5
+    assert (c.usage(), c.driver.num_pages, c.driver.num_mappings) == before
+    c.check_integrity()
+    monkeypatch.undo()
+    assert c.allocate(2, 3 * UT[layout]) == 0
+    c.extend(1, 3 * UT[layout])
+    c.check_integrity()
+
+
+def test_other_driver_errors_are_not_a_full_cache(make, layout, monkeypatch):
+    c = make()
+    drv = c.driver
+
+    def broken():
+        raise VMMError(drv.calls["create_page"], "EBADF (Bad file descriptor)", "injected")
+    monkeypatch.setattr(drv, "_create_page", broken)
+    with pytest.raises(VMMError, match="EBADF"):
+        c.allocate(2, 3)
+    c.check_integrity()

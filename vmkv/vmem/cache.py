@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -26,15 +25,15 @@ import torch
 
 from vmkv.kernels import ops
 from vmkv.kvcache.core import KVCacheCore, Room
-from vmkv.kvcache.errors import KVCacheFullError, SlotsExhaustedError
+from vmkv.kvcache.errors import SlotsExhaustedError
 from vmkv.kvcache.metadata import build_metadata, step_token_positions
 from vmkv.kvcache.records import AttentionMetadata, StepSeq
 from vmkv.kvcache.seqtable import SeqState, check_count
 from vmkv.kvcache.spec import KVCacheSpec
-from vmkv.vmem.driver import VMMDriver, VMMError, get_driver
+from vmkv.vmem.driver import VMMDriver, get_driver
 from vmkv.vmem.layout import LAYOUTS, make_layout
 from vmkv.vmem.mapper import Slot, SlotMapper
-from vmkv.vmem.page_pool import PagePool
+from vmkv.vmem.page_pool import PagePool, out_of_memory_is_full
 from vmkv.vmem.placement import default_host_page_size as _host_page_size
 from vmkv.vmem.placement import pick_fork_slot, pick_slot
 from vmkv.vmem.stats import VMemStatsMixin
@@ -51,18 +50,6 @@ def default_host_page_size(layout: str, spec: KVCacheSpec, max_model_len: int) -
     if layout not in LAYOUTS:
         raise ValueError(f"unknown vmem layout {layout!r}; choose one of {list(LAYOUTS)}")
     return _host_page_size(LAYOUTS[layout].token_bytes_in_row(spec), max_model_len)
-
-
-@contextmanager
-def _out_of_memory_is_full(driver: VMMDriver, num_tokens: int):
-    """A page the device (or the host file) could not create is a full cache, not a failure: the
-    engine preempts.  The mapper undid the operation before the error left it."""
-    try:
-        yield
-    except VMMError as e:
-        if not (e.out_of_memory and e.call == driver.calls.get("create_page")):
-            raise
-        raise KVCacheFullError(num_tokens, 0, f"{e.call} could not create a page: {e.code}") from e
 
 
 class VMemKVCache(VMemStatsMixin, KVCacheCore):
@@ -181,7 +168,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
         slot, num_units, hit_pages = room.payload
-        with _out_of_memory_is_full(self.driver, n):
+        with out_of_memory_is_full(self.driver, n):
             self.mapper.occupy(slot, seq_id, num_units, hit_pages)
         self._map_ahead(slot, n)
         return slot, None
@@ -207,7 +194,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _grow(self, s: SeqState, new_len: int, room: Room) -> list:
         num_units, cow = room.payload
-        with _out_of_memory_is_full(self.driver, new_len - s.seq_len):
+        with out_of_memory_is_full(self.driver, new_len - s.seq_len):
             pairs = self.mapper.grow(s.units, num_units, cow,
                                      copy_below_bytes=s.seq_len * self.layout.row_token_bytes)
         self._map_ahead(s.units, new_len)
@@ -253,7 +240,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
     def _apply_cow(self, room: Room) -> list:
         targets, res = room.payload
         pairs = []
-        with _out_of_memory_is_full(self.driver, 0):
+        with out_of_memory_is_full(self.driver, 0):
             for s, units in targets:
                 pairs += self.mapper.make_writable(s.units, units, res)
         return pairs
@@ -299,28 +286,6 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
             slot_indices_host=slots_host, key_anchor=self._k_anchor[layer],
             value_anchor=self._v_anchor[layer], **extra)
-
-    # ------------------------------------------------------------------ views
-    @property
-    def page_size_bytes(self) -> int:
-        return self.layout.page_size_bytes
-
-    def slot_of(self, seq_id: int) -> int:
-        """The slot index of a live sequence."""
-        self._check_open()
-        return self.seqs.get(seq_id).units.index
-
-    def key_view(self, layer: int) -> torch.Tensor:
-        """``[max_num_seqs, max_model_len, H, D]`` K view of ``layer`` (only backed positions may be
-        touched)."""
-        self._check_open()
-        self._check_layer(layer)
-        return self._k[layer]
-
-    def value_view(self, layer: int) -> torch.Tensor:
-        self._check_open()
-        self._check_layer(layer)
-        return self._v[layer]
 
     def _close(self) -> None:
         self._k = self._v = self._k_anchor = self._v_anchor = None

@@ -14,14 +14,29 @@ the paged block pool does:
 
 from __future__ import annotations
 
-from vmkv.kvcache.prefix import PrefixIndex
-from vmkv.vmem.driver import VMMDriver
+from contextlib import contextmanager
 
-__all__ = ["PagePool", "PagePoolExhaustedError"]
+from vmkv.kvcache.errors import KVCacheFullError
+from vmkv.kvcache.prefix import PrefixIndex
+from vmkv.vmem.driver import VMMDriver, VMMError
+
+__all__ = ["PagePool", "PagePoolExhaustedError", "out_of_memory_is_full"]
 
 
 class PagePoolExhaustedError(RuntimeError):
     """All ``max_pages`` pages are in use (callers check :attr:`PagePool.num_available` first)."""
+
+
+@contextmanager
+def out_of_memory_is_full(driver: VMMDriver, num_tokens: int):
+    """A page the device (or the host file) could not create is a full cache, not a failure: the
+    engine preempts.  The mapper undid the operation before the error left it."""
+    try:
+        yield
+    except VMMError as e:
+        if not (e.out_of_memory and e.call == driver.calls.get("create_page")):
+            raise
+        raise KVCacheFullError(num_tokens, 0, f"{e.call} could not create a page: {e.code}") from e
 
 
 class PagePool:

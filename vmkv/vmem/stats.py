@@ -1,14 +1,17 @@
-"""The vmem cache's introspection and off-critical-path work: usage, map/unmap statistics,
+"""The vmem cache's views, introspection and off-critical-path work: slot views, usage, map/unmap statistics,
 integrity checks and prefetch (a mixin of :class:`~vmkv.vmem.cache.VMemKVCache`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from vmkv.kvcache.seqtable import check_count
 from vmkv.vmem.host_driver import HostDriver
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["VMemStatsMixin"]
 
@@ -17,6 +20,28 @@ logger = logging.getLogger(__name__)
 
 class VMemStatsMixin:
     """Needs ``layout``, ``mapper``, ``pool``, ``driver``, ``prefix``, ``seqs`` of the cache."""
+
+    # ------------------------------------------------------------------ views
+    @property
+    def page_size_bytes(self) -> int:
+        return self.layout.page_size_bytes
+
+    def slot_of(self, seq_id: int) -> int:
+        """The slot index of a live sequence."""
+        self._check_open()
+        return self.seqs.get(seq_id).units.index
+
+    def key_view(self, layer: int) -> torch.Tensor:
+        """``[max_num_seqs, max_model_len, H, D]`` K view of ``layer`` (only backed positions may be
+        touched)."""
+        self._check_open()
+        self._check_layer(layer)
+        return self._k[layer]
+
+    def value_view(self, layer: int) -> torch.Tensor:
+        self._check_open()
+        self._check_layer(layer)
+        return self._v[layer]
 
     def prefetch(self, seq_ids: Sequence[int], num_tokens: int) -> None:
         """Map ahead, off the critical path: back positions up to ``seq_len + num_tokens`` of each

@@ -1,0 +1,307 @@
+"""The slot mapper's operations: occupy (allocate), grow (extend), copy-on-write, share (fork),
+vacate (free), look-ahead and prefetch, and the batched filling of holes they share (a mixin of
+:class:`~vmkv.vmem.mapper.SlotMapper`; see its module docstring for the vocabulary)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from vmkv.vmem.mapper import Slot
+
+__all__ = ["SlotOpsMixin"]
+
+
+class SlotOpsMixin:
+    """Needs the primitives of :class:`~vmkv.vmem.mapper.SlotMapper`."""
+
+    def _move_out_cached(self, slot: Slot, units: Sequence[int], exclude: frozenset = frozenset()) -> None:
+        """Units ``units`` of ``slot`` are about to be claimed and overwritten (shared pages already
+        unmapped).  Their kept pages that hold a prefix-cache unit move out: unmapped, they stay
+        cached free in the pool and fresh pages take their place.  But when the pool would have to
+        evict cached pages anyway, those of them that are least recently used are overwritten in
+        place (evicted here: no unmap, no map).  ``exclude``: prefix-hit pages being mapped."""
+        cached = [(u, r, p) for u in units for r, p in enumerate(slot.units.get(u, ()))
+                  if self._is_cached_kept(p)]
+        if not cached:
+            return
+        staying = {p for u in units for p in slot.units.get(u, ()) if p is not None}
+        holes = sum(1 for u in units for r in range(self.num_res) if slot.page(u, r) is None)
+        need = holes + len(cached)
+        others = self._reclaimable - exclude - staying
+        plain = self.pool.num_plain_available + sum(1 for p in others if not self.prefix.is_cached(p))
+        if need > plain:
+            candidates = (others | self.pool.cached_pages() | {p for *_, p in cached}) - exclude
+            order = self._eviction_order(p for p in candidates if self.prefix.is_cached(p))
+            victims = set(order[:need - plain])
+            for *_, p in cached:
+                if p in victims and self.prefix.is_cached(p):
+                    self._forget(p)
+                    self.num_prefix_evictions += 1
+        for u, r, p in cached:
+            if self.prefix.is_cached(p):
+                self._wait_slot(slot)
+                self._unmap(slot, u, r)
+
+    def _fill_holes(self, slot: Slot, units: Iterable[int], given=None) -> int:
+        """Map every hole of ``units`` of ``slot`` in one batch: ``given(unit, res)`` (a prefix-hit or
+        parent page, mapped or cached free) where it returns a page, else a fresh pool page
+        (reclaiming kept pages, never a given one, if the pool is short).  Returns the number of
+        pages mapped."""
+        items: list[tuple[int, int, int | None]] = []
+        for u in units:
+            for r in range(self.num_res):
+                if slot.page(u, r) is None:
+                    items.append((u, r, None if given is None else given(u, r)))
+        if not items:
+            return 0
+        num_fresh = sum(1 for *_, p in items if p is None)
+        # cached free hits leave the pool first, so that reclaiming cannot evict them
+        acquired = [p for *_, p in items if p is not None and self.pool.is_cached_free(p)]
+        for p in acquired:
+            self.pool.revive(p)
+        try:
+            if num_fresh:
+                self._ensure_pool(num_fresh, frozenset(p for *_, p in items if p is not None))
+            for i, (u, r, p) in enumerate(items):
+                if p is None:
+                    p = self.pool.acquire()
+                    acquired.append(p)
+                    items[i] = (u, r, p)
+            self._map_batch(slot, items)
+        except BaseException:
+            for p in acquired:
+                self.pool.give_back(p)
+            raise
+        return len(items)
+
+    # ------------------------------------------------------------------ occupy (allocate)
+    def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """``(fresh pages needed, pages available)`` for :meth:`occupy`."""
+        fresh, leaving = 0, set()
+        for u in range(num_units):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if u < len(hits):
+                    hit = hits[u][r]
+                    if hit in self._reclaimable or self.pool.is_cached_free(hit):
+                        leaving.add(hit)            # becomes claimed
+                elif self._needs_fresh(cur):
+                    fresh += 1                      # a hole, or a shared kept page to replace
+                else:
+                    leaving.add(cur)                # kept page reused in place
+        return fresh, self.available_pages() - len(leaving)
+
+    def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> None:
+        """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed: units
+        ``[0, len(hits))`` map the prefix-hit pages, the rest reuse the slot's kept unshared pages
+        without a prefix entry or get fresh ones (kept cached pages move out, see
+        :meth:`_move_out_cached`)."""
+        assert slot.is_free, f"slot {slot.index} is live"
+        slot.seq_id = seq_id
+        for u in range(num_units):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if cur is None:
+                    continue
+                keep = cur == hits[u][r] if u < len(hits) else self.pool.refcount(cur) == 1
+                if not keep:
+                    self._wait_slot(slot)
+                    self._unmap(slot, u, r)
+        self._move_out_cached(slot, range(len(hits), num_units),
+                              frozenset(p for pages in hits for p in pages))
+        self._set_claimed(slot, num_units)
+        try:
+            # hit pages and fresh pages in one batch: adjacent units share one set_access
+            self._fill_holes(slot, range(num_units), lambda u, r: hits[u][r] if u < len(hits) else None)
+        except BaseException:
+            self._set_claimed(slot, 0)      # the slot stays free; what got mapped is kept
+            slot.seq_id = None
+            raise
+
+    # ------------------------------------------------------------------ grow (extend)
+    def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
+        """``(fresh pages needed, pages available)`` for :meth:`grow`."""
+        fresh = leaving = 0
+        for u in range(slot.claimed, num_units):
+            for r in range(self.num_res):
+                if self._needs_fresh(slot.page(u, r)):
+                    fresh += 1
+                else:
+                    leaving += 1
+        cow_units = [u for u in cow_units if u < slot.claimed]
+        fresh += self.plan_writable(slot, cow_units, range(self.num_res))
+        return fresh, self.available_pages() - leaving
+
+    def _claim_units(self, slot: Slot, old: int, end: int) -> None:
+        """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped
+        (after the slot's fence), kept cached pages move out (:meth:`_move_out_cached`), other kept
+        pages are reused, holes get fresh pages in one batch; on failure the claim is undone."""
+        for u in range(old, end):
+            for r in range(self.num_res):
+                cur = slot.page(u, r)
+                if cur is not None and self.pool.refcount(cur) > 1:
+                    self._wait_slot(slot)
+                    self._unmap(slot, u, r)
+        self._move_out_cached(slot, range(old, end))
+        self._set_claimed(slot, end)
+        try:
+            self._fill_holes(slot, range(old, end))
+        except BaseException:
+            self._set_claimed(slot, old)
+            raise
+
+    def grow(self, slot: Slot, num_units: int, cow_units: Iterable[int],
+             copy_below_bytes: int) -> list[tuple]:
+        """Claim units up to ``num_units`` (reusing kept unshared pages), then copy-on-write the
+        shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
+        row are copied, others just replaced).  Returns the copies to make (:meth:`make_writable`)."""
+        old = slot.claimed
+        cow_units = [u for u in cow_units if u < old]
+        if num_units > old:
+            self._claim_units(slot, old, num_units)
+        page_bytes = self.layout.page_size_bytes
+        pairs = []
+        for u in cow_units:
+            pairs += self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
+        return pairs
+
+    # ------------------------------------------------------------------ copy-on-write
+    def any_shared(self, slot: Slot, units: Iterable[int]) -> bool:
+        """Does any mapped page of ``units`` of ``slot`` have a reference count above 1?"""
+        refcount = self.pool.refcount
+        for u in units:
+            for p in slot.units.get(u, ()):
+                if p is not None and refcount(p) > 1:
+                    return True
+        return False
+
+    def plan_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int]) -> int:
+        """Fresh pages :meth:`make_writable` needs: the shared pages among ``units`` x ``reservations``."""
+        reservations = tuple(reservations)
+        return sum(1 for u in units for r in reservations
+                   if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1)
+
+    def make_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int],
+                      copy: bool = True) -> list[tuple]:
+        """Before writing into claimed ``units``: give every shared page a private copy
+        (copy-on-write) and drop the prefix entry of unshared pages (their content changes).
+
+        Returns:
+            ``(src_va, dst_va, src_slot, unit)`` of each page whose bytes the caller must copy (in
+            reverse order, after the whole batch: a later copy may remap an earlier source), then
+            pass to :meth:`copied`.  Sources stay mapped until then (:attr:`_pending`).
+        """
+        reservations = tuple(reservations)
+        pairs = []
+        for u in units:
+            for r in reservations:
+                page = slot.page(u, r)
+                if page is None:
+                    continue
+                if self.pool.refcount(page) > 1:
+                    pair = self._cow(slot, u, r)
+                    if copy:
+                        pairs.append(pair)
+                        self._pending.add(page)
+                else:
+                    self._forget(page)
+        return pairs
+
+    def copied(self, pairs: Sequence[tuple]) -> None:
+        """The bytes of ``pairs`` (from :meth:`make_writable`) are copied: a source mapping that is
+        not claimed may be reclaimed later, after a fence recorded now."""
+        self._pending.clear()
+        fence = None
+        for *_, src, unit in pairs:
+            if not self._is_claimed(src, unit):
+                fence = self.driver.record_fence() if fence is None else fence
+                src.fence = fence
+
+    def _cow(self, slot: Slot, unit: int, res: int) -> tuple:
+        old = slot.page(unit, res)
+        src = self.slots[min(self._where[old] - {slot.index})]
+        self._ensure_pool(1, frozenset(self._pending | {old}))
+        new = self.pool.acquire()
+        if self._is_claimed(slot, unit):
+            self._sync()        # kernels of earlier steps may still read this slot's page
+        else:
+            self._wait_slot(slot)
+        self._unmap(slot, unit, res)
+        try:
+            self._map_batch(slot, [(unit, res, new)])
+        except BaseException:
+            self.pool.give_back(new)
+            raise
+        return self.va(res, src.index, unit), self.va(res, slot.index, unit), src, unit
+
+    # ------------------------------------------------------------------ fork, free, look-ahead
+    def share(self, child: Slot, parent: Slot, seq_id: int, num_units: int) -> None:
+        """Give free ``child`` to ``seq_id``, mapping the parent's pages of units ``[0, num_units)``."""
+        assert child.is_free, f"slot {child.index} is live"
+        child.seq_id = seq_id
+        for u in range(num_units):
+            for r in range(self.num_res):
+                cur = child.page(u, r)
+                if cur is not None and cur != parent.page(u, r):
+                    self._wait_slot(child)
+                    self._unmap(child, u, r)
+        self._set_claimed(child, num_units)
+        try:
+            self._fill_holes(child, range(num_units), parent.page)
+        except BaseException:
+            self._set_claimed(child, 0)
+            child.seq_id = None
+            raise
+
+    def vacate(self, slot: Slot) -> None:
+        """Free a live slot; its pages stay mapped (kept) behind a fence recorded now."""
+        self._tick += 1
+        self._set_claimed(slot, 0)
+        slot.seq_id = None
+        slot.fence = self.driver.record_fence()
+        slot.free_tick = self._tick
+
+    def map_ahead(self, slot: Slot, num_units: int) -> None:
+        """Best effort: claim units up to ``num_units`` from kept pages or plain pool pages (no
+        reclaiming, no eviction); the holes of all those units are mapped in one batch."""
+        old = slot.claimed
+        budget = self.pool.num_plain_available
+        end = old
+        for u in range(old, min(num_units, self.layout.pages_per_slot)):
+            need = sum(1 for r in range(self.num_res)
+                       if self._needs_fresh(p := slot.page(u, r)) or self._is_cached_kept(p))
+            if need > budget:
+                break
+            budget -= need
+            end = u + 1
+        if end == old:
+            return
+        self._claim_units(slot, old, end)
+
+    def prefetch(self, slot: Slot, num_units: int) -> int:
+        """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of live
+        ``slot`` from free pool pages, in one batch, **without claiming them**.
+
+        The pages stay kept (reclaimable, so they count as available for admission); the grow that
+        later claims those units reuses them without a driver call.  Never reclaims, never waits
+        for a fence; stops at the first unit holding a shared page or not fitting in the pool.
+
+        Returns:
+            The number of pages mapped.
+        """
+        assert not slot.is_free, f"slot {slot.index} is free"
+        budget = self.pool.num_plain_available
+        end = slot.claimed
+        for u in range(slot.claimed, min(num_units, self.layout.pages_per_slot)):
+            pages = slot.units.get(u, ())
+            if any(p is not None and self.pool.refcount(p) > 1 for p in pages):
+                break
+            holes = self.num_res - sum(1 for p in pages if p is not None)
+            if holes > budget:
+                break
+            budget -= holes
+            end = u + 1
+        mapped = self._fill_holes(slot, range(slot.claimed, end))
+        self.num_prefetched_pages += mapped
+        return mapped

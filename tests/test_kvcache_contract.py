@@ -7,6 +7,7 @@ Data is fresh random K/V (never zeros) and is compared exactly (the cache stores
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -285,76 +286,64 @@ def test_allocate_when_full_raises_and_changes_nothing(cache, gen):
     check_usage(cache, {s: cache.seq_len(s) for s in data})
 
 
-def test_extend_when_full_raises_and_changes_nothing(cache, gen):
-    data = fill(cache, gen)
-    victim = next(iter(data))
-    n = cache.seq_len(victim)
-    more = cache.max_model_len - n
-    assert more > unit_of(cache)
-    snap = snapshot(cache, data)
-    slack_tokens = snap[0].waste_bytes // SPEC.bytes_per_token   # backed but unused, all sequences
-    try:
-        cache.extend(victim, more)
-    except KVCacheFullError as err:
-        assert err.needed_tokens > 0 and 0 <= err.available_tokens < err.needed_tokens
+def exact(case):
+    """``case`` without look-ahead mapping: every backed position is one a sequence asked for, so
+    a full cache has no slack and every growth or copy must raise."""
+    return dataclasses.replace(case, options={k: v for k, v in case.options.items()
+                                              if k != "lookahead_tokens"})
+
+
+def test_extend_when_full_raises_and_changes_nothing(case, gen):
+    with exact(case).make() as cache:
+        data = fill(cache, gen)
+        victim = next(iter(data))
+        n = cache.seq_len(victim)
+        more = cache.max_model_len - n
+        snap = snapshot(cache, data)
+        slack_tokens = snap[0].waste_bytes // SPEC.bytes_per_token   # unit tails, all sequences
+        assert more > slack_tokens, "test config: the extend must need memory"
+        with pytest.raises(KVCacheFullError) as err:
+            cache.extend(victim, more)
+        assert err.value.needed_tokens > 0
+        assert 0 <= err.value.available_tokens < err.value.needed_tokens
         assert_unchanged(cache, snap)
-    else:
-        # only possible inside memory the sequence already held (unit tail, pages mapped ahead)
-        assert more <= slack_tokens, f"extend({more}) succeeded in a full cache with {slack_tokens} slack"
-        assert cache.usage().allocated_bytes == snap[0].allocated_bytes
+        # the sequence still works
+        write_all_layers(cache, victim, n - 1, 1, gen)
         cache.check_integrity()
-        return
-    # the sequence still works
-    write_all_layers(cache, victim, n - 1, 1, gen)
-    cache.check_integrity()
 
 
-def test_fork_when_full(cache, gen):
-    """A full cache refuses the fork (unchanged) or shares everything; then a write or extend
-    that needs a copy-on-write copy either works or raises KVCacheFullError changing nothing."""
-    data = fill(cache, gen)
-    parent = next(iter(data))
-    n = cache.seq_len(parent)
-    assert n % unit_of(cache) != 0, "test wants a partial last unit"
-    snap = snapshot(cache, data)
-    try:
+def test_fork_when_full(case, gen):
+    """In a full cache a fork still succeeds (it shares everything, no memory); then a write or
+    an extend that needs a copy-on-write copy raises KVCacheFullError changing nothing; after
+    the child is freed everything is as before."""
+    with exact(case).make() as cache:
+        data = fill(cache, gen)
+        parent = next(iter(data))
+        n = cache.seq_len(parent)
+        assert n % unit_of(cache) != 0, "test wants a partial last unit"
         cache.fork(parent, 1)
-    except KVCacheFullError as err:
-        assert err.needed_tokens > 0 and err.available_tokens < err.needed_tokens
-        assert_unchanged(cache, snap, extra_absent=[1])
-        return
-    assert cache.seq_len(1) == n
-    assert_data(cache, 1, data[parent])
-    forked = snapshot(cache, [*data, 1])
-    try:
-        mine = write_all_layers(cache, 1, n - 1, 1, gen)
-    except KVCacheFullError:
+        assert cache.seq_len(1) == n
+        assert_data(cache, 1, data[parent])
+        forked = snapshot(cache, [*data, 1])
+        with pytest.raises(KVCacheFullError):
+            write_all_layers(cache, 1, n - 1, 1, gen)    # the shared partial unit needs a copy
         assert_unchanged(cache, forked)
-    else:
-        assert_data(cache, 1, mine, n - 1)
-        assert_data(cache, parent, data[parent])
-    forked = snapshot(cache, [*data, 1])
-    try:
-        cache.extend(1, 1)   # position n lies in the shared partial unit
-    except KVCacheFullError as err:
-        assert 0 <= err.available_tokens < err.needed_tokens
+        with pytest.raises(KVCacheFullError) as err:
+            cache.extend(1, 1)   # position n lies in the shared partial unit
+        assert 0 <= err.value.available_tokens < err.value.needed_tokens
         assert_unchanged(cache, forked)
-    else:
-        # extend made the copy, so writing below seq_len needs no memory
-        mine = write_all_layers(cache, 1, n, 1, gen)
-        assert_data(cache, 1, mine, n)
-        assert_data(cache, parent, data[parent])
-    cache.free(1)
-    cache.check_integrity()
-    for s, d in data.items():
-        assert_data(cache, s, d)
-    check_usage(cache, {s: cache.seq_len(s) for s in data})
+        cache.free(1)
+        cache.check_integrity()
+        for s, d in data.items():
+            assert_data(cache, s, d)
+        check_usage(cache, {s: cache.seq_len(s) for s in data})
 
 
 def test_extend_into_shared_unit_counts_the_copy(case, gen):
     """extend() into a shared partial unit needs a copy-on-write copy plus any new unit; the
     error reports more needed than available, and a successful extend makes every later write
     below seq_len possible with no free memory left."""
+    case = exact(case)              # counts exact units: no pages mapped ahead
     probe = case.make()
     unit = unit_of(probe)
     probe.close()
@@ -364,8 +353,7 @@ def test_extend_into_shared_unit_counts_the_copy(case, gen):
         cache.allocate(1, half)
         a = write_all_layers(cache, 1, 0, half, gen)
         cache.fork(1, 2)
-        if cache.usage().waste_bytes > SPEC.kv_bytes(unit - half):
-            pytest.skip("backend maps ahead of seq_len; this test counts exact units")
+        assert cache.usage().waste_bytes == SPEC.kv_bytes(unit - half)
         cache.allocate(3, 2 * unit)
         write_all_layers(cache, 3, 0, 2 * unit, gen)
         # one unit free: the copy of the shared unit and one new unit do not fit

@@ -1,7 +1,7 @@
 """Paged KV-cache backend (PagedAttention blocks, block tables, copy-on-write, prefix caching).
 
 Names load lazily, so the torch-free bookkeeping (:mod:`vmkv.paged.block_manager`,
-:mod:`vmkv.paged.block_pool`) imports without torch.
+:mod:`vmkv.paged.block_pool`) and the options (:mod:`vmkv.paged.options`) import without torch.
 """
 
 import importlib
@@ -11,6 +11,7 @@ _NAMES = {
     "BlockRefCountError": "vmkv.paged.block_pool", "InvalidBlockError": "vmkv.paged.block_pool",
     "NoFreeBlocksError": "vmkv.paged.block_pool", "BlockManager": "vmkv.paged.block_manager",
     "PagedKVCache": "vmkv.paged.cache", "TooManySequencesError": "vmkv.kvcache.errors",
+    "PagedOptions": "vmkv.paged.options",
 }
 
 __all__ = sorted(_NAMES)

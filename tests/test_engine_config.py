@@ -9,6 +9,8 @@ import pytest
 from vmkv.engine.args import parse_size
 from vmkv.engine.cli import add_arguments
 from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from vmkv.paged.options import PagedOptions
+from vmkv.vmem.options import VMemOptions
 
 
 def test_defaults():
@@ -17,9 +19,9 @@ def test_defaults():
     assert (c.cache.backend, c.cache.block_size, c.cache.layout, c.cache.driver) == \
         ("paged", 16, "megacache", "auto")
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (64, 2048)
-    assert c.cache.backend_options() == {"block_size": 16, "enable_prefix_caching": True}
-    assert CacheConfig(backend="vmem").backend_options() == {
-        "driver": "auto", "layout": "megacache", "page_size_bytes": None, "enable_prefix_caching": True}
+    assert c.cache.backend_options() == PagedOptions(block_size=16, enable_prefix_caching=True)
+    assert CacheConfig(backend="vmem").backend_options() == VMemOptions(
+        driver="auto", layout="megacache", page_size_bytes=None, enable_prefix_caching=True)
 
 
 @pytest.mark.parametrize("make, message", [

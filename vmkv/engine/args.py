@@ -25,9 +25,10 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from vmkv.kvcache.registry import BACKENDS
+from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
 
-__all__ = ["parse_size", "add_engine_args", "engine_kwargs", "apply_threads"]
+__all__ = ["parse_size", "add_engine_args", "engine_kwargs", "apply_threads", "option_choices",
+           "option_help"]
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 # bare K/M/G/T and the IEC KiB/MiB/... are powers of 1024; the SI kB/MB/GB/TB are powers of 1000
@@ -69,9 +70,24 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-#: ``--layout`` and ``--driver`` choices (the vmem backend's layouts and page drivers)
-LAYOUT_CHOICES = ("megacache", "per_layer")
-DRIVER_CHOICES = ("auto", "cuda", "host")
+def option_choices(name: str) -> tuple[str, ...]:
+    """The ``choices`` of the backend option ``name`` (``"layout"``, ``"driver"``,
+    ``"attention_impl"``): the name list of the options class that owns it, read through the registry
+    (a name added to the vmem options module's ``LAYOUTS`` is a ``--layout`` choice at once)."""
+    seen: dict[str, None] = {}
+    for backend in option_backends(name):
+        seen.update(dict.fromkeys(backend_options_class(backend).field_choices(name) or ()))
+    return tuple(seen)
+
+
+def option_help(name: str, extra: str = "") -> str:
+    """``--help`` text of the backend option ``name``: its options class's help line (prefixed with
+    the backends that take it when not all do), ``extra``, and the default unless the line says it."""
+    owners = option_backends(name)
+    text = backend_options_class(owners[0]).field_help(name)
+    if len(owners) < len(backend_choices()) and not text.startswith(owners[0] + ":"):
+        text = f"{'/'.join(owners)}: {text}"
+    return text + extra + ("" if "(default" in text else " (default: %(default)s)")
 
 
 def positive_int(text: str) -> int:
@@ -89,9 +105,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine options to ``parser`` in two groups: "model" (``--model --backend --device
     --dtype --random-weights --seed --threads``) and "KV cache and scheduler" (``--max-num-seqs
     --max-num-batched-tokens --max-model-len --memory-bytes | --gpu-memory-utilization --block-size
-    --page-size-bytes --layout --driver --[no-]enable-prefix-caching --[no-]enable-chunked-prefill``).
+    --page-size-bytes --layout --driver --attention-impl --[no-]enable-prefix-caching
+    --[no-]enable-chunked-prefill``).
 
-    Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`.
+    Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`; the
+    backend options' choices and help from the backends' options classes (:func:`option_choices`).
     ``--no-prefix-caching`` and ``--no-chunked-prefill`` are accepted as hidden aliases of the
     ``--no-enable-...`` flags.  ``--memory-bytes`` and ``--gpu-memory-utilization`` are mutually
     exclusive.  ``--threads`` is no engine field: call :func:`apply_threads` before loading.
@@ -100,7 +118,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", "-m", default=ec.model,
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--backend", choices=list(BACKENDS), default=cc.backend,
+    g.add_argument("--backend", choices=backend_choices(), default=cc.backend,
                    help="KV-cache backend (default: %(default)s)")
     g.add_argument("--device", default=ec.device, help="cpu, cuda, cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=ec.dtype,
@@ -127,17 +145,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           "--gpu-memory-utilization of free memory on CUDA)")
     mem.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization,
                      help="fraction of free GPU memory for KV (default: %(default)s)")
-    g.add_argument("--block-size", type=int, default=cc.block_size,
-                   help="paged: tokens per block (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
     g.add_argument("--page-size-bytes", type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
-                   help="vmem: bytes per physical page, e.g. 2MiB (default: the driver's)")
-    g.add_argument("--layout", choices=LAYOUT_CHOICES, default=cc.layout,
-                   help="vmem: virtual layout (default: %(default)s)")
-    g.add_argument("--driver", choices=DRIVER_CHOICES, default=cc.driver,
-                   help="vmem: page driver (default: %(default)s)")
+                   help=option_help("page_size_bytes"))
+    g.add_argument("--layout", choices=option_choices("layout"), default=cc.layout, help=option_help("layout"))
+    g.add_argument("--driver", choices=option_choices("driver"), default=cc.driver, help=option_help("driver"))
+    g.add_argument("--attention-impl", choices=option_choices("attention_impl"), default=cc.attention_impl,
+                   help=option_help("attention_impl", "; other backends refuse a value but the default"))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=cc.enable_prefix_caching,
-                   help="share KV of identical prompt prefixes (default: %(default)s)")
+                   default=cc.enable_prefix_caching, help=option_help("enable_prefix_caching"))
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -156,8 +172,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
-        driver=args.driver, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
+        driver=args.driver, attention_impl=args.attention_impl,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
     )
 
 

@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from vmkv.kvcache.registry import BACKENDS
+from vmkv.kvcache.options import BackendOptions
+from vmkv.kvcache.registry import BACKENDS, backend_options_class, option_backends
 
 __all__ = ["CacheConfig", "SchedulerConfig", "EngineConfig", "DEFAULT_CPU_KV_MEMORY_BYTES",
            "DEFAULT_MAX_MODEL_LEN", "DEFAULT_CUDA_PREFETCH_TOKENS"]
@@ -24,8 +25,6 @@ DEFAULT_MAX_MODEL_LEN = 4096
 #: ``CacheConfig.prefetch_tokens`` on CUDA when not given
 DEFAULT_CUDA_PREFETCH_TOKENS = 16
 
-_LAYOUTS = ("megacache", "per_layer")
-_DRIVERS = ("auto", "cuda", "host")
 _DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float", "auto")
 
 
@@ -37,9 +36,24 @@ def _positive_int(owner: str, name: str, value: Any, allow_none: bool = False) -
         raise ValueError(f"{owner}.{name} must be a positive int{none}, got {value!r}")
 
 
+def _option_default(name: str):
+    """The default of backend option ``name``, read from the first backend whose options have it."""
+    return backend_options_class(option_backends(name)[0]).field_default(name)
+
+
+#: CacheConfig fields that are backend options (the backends' options classes own their defaults,
+#: ranges and name lists)
+BACKEND_OPTION_FIELDS = ("block_size", "page_size_bytes", "layout", "driver", "enable_prefix_caching",
+                         "attention_impl")
+#: backend options a backend without them refuses when set (running another attention kernel than the
+#: one asked for would mislabel a measurement); the others are ignored by a backend without them, so one
+#: set of knobs can drive both backends
+_REFUSED_ELSEWHERE = ("attention_impl",)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Which KV backend and how much memory it gets.
+    """Which KV backend and how much memory it gets, and the backends' options.
 
     Args:
         backend: ``"paged"`` (blocks + block tables) or ``"vmem"`` (virtual slot per sequence).
@@ -49,12 +63,19 @@ class CacheConfig:
         block_size: paged backend: tokens per block (power of two, 1..1024).
         page_size_bytes: vmem backend: bytes per physical page; ``None``: the driver's default
             (2 MiB on CUDA, 64 KiB on the host driver).
-        layout: vmem backend: ``"megacache"`` or ``"per_layer"``.
-        driver: vmem backend: ``"auto"``, ``"cuda"`` or ``"host"``.
+        layout: vmem backend: ``"megacache"`` or ``"per_layer"`` (``VMemOptions``' ``LAYOUTS``).
+        driver: vmem backend: ``"auto"``, ``"cuda"`` or ``"host"`` (``DRIVERS``).
         enable_prefix_caching: share full blocks/pages of identical prompt prefixes.
+        attention_impl: vmem backend: attention on slot views, ``"auto"``, ``"triton"``, ``"torch"``
+            or ``"sdpa"`` (``ATTENTION_IMPLS``); a backend without the option refuses a value other
+            than the default.
         prefetch_tokens: after enqueuing a step's forward, ask the cache to back this many
             positions past each sampling sequence's length (``KVCache.prefetch``; the vmem backend
             maps pages while the GPU computes); ``None``: 16 on CUDA, 0 on CPU (exact accounting).
+
+    The backend options' defaults, ranges and name lists are the backends' options classes'
+    (:func:`vmkv.kvcache.registry.backend_options_class`); :meth:`backend_options` builds the chosen
+    backend's options object.  Options of the other backend are ignored, except ``attention_impl``.
     Raises:
         ValueError: a field is out of range (the message names field, value and range).
     """
@@ -62,11 +83,12 @@ class CacheConfig:
     backend: str = "paged"
     memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.5
-    block_size: int = 16
-    page_size_bytes: int | None = None
-    layout: str = "megacache"
-    driver: str = "auto"
-    enable_prefix_caching: bool = True
+    block_size: int = _option_default("block_size")
+    page_size_bytes: int | None = _option_default("page_size_bytes")
+    layout: str = _option_default("layout")
+    driver: str = _option_default("driver")
+    enable_prefix_caching: bool = _option_default("enable_prefix_caching")
+    attention_impl: str = _option_default("attention_impl")
     prefetch_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -76,18 +98,17 @@ class CacheConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
-        _positive_int("CacheConfig", "block_size", self.block_size)
-        if self.block_size & (self.block_size - 1) or self.block_size > 1024:
-            raise ValueError(
-                f"CacheConfig.block_size must be a power of two in [1, 1024], got {self.block_size}")
-        _positive_int("CacheConfig", "page_size_bytes", self.page_size_bytes, allow_none=True)
-        if self.layout not in _LAYOUTS:
-            raise ValueError(f"CacheConfig.layout must be one of {list(_LAYOUTS)}, got {self.layout!r}")
-        if self.driver not in _DRIVERS:
-            raise ValueError(f"CacheConfig.driver must be one of {list(_DRIVERS)}, got {self.driver!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"CacheConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in BACKEND_OPTION_FIELDS:   # each against the backend that owns it
+            value = getattr(self, name)
+            owners = option_backends(name)
+            owner = self.backend if self.backend in owners else owners[0]
+            backend_options_class(owner).check_field(name, value, owner="CacheConfig")
+            if (name in _REFUSED_ELSEWHERE and self.backend not in owners
+                    and value != _option_default(name)):
+                raise ValueError(
+                    f"CacheConfig.{name}={value!r} is an option of the {' and '.join(owners)} backend, and "
+                    f"the {self.backend} backend has no {name}; choose --backend {owners[0]} or leave "
+                    f"{name} at {_option_default(name)!r}")
         p = self.prefetch_tokens
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(f"CacheConfig.prefetch_tokens must be an int >= 0 or None, got {p!r}")
@@ -98,13 +119,12 @@ class CacheConfig:
             return self.prefetch_tokens
         return DEFAULT_CUDA_PREFETCH_TOKENS if device_type == "cuda" else 0
 
-    def backend_options(self) -> dict[str, Any]:
-        """Keyword options for :func:`vmkv.kvcache.create_kv_cache` of this backend."""
-        if self.backend == "paged":
-            return {"block_size": self.block_size,
-                    "enable_prefix_caching": self.enable_prefix_caching}
-        return {"driver": self.driver, "layout": self.layout, "page_size_bytes": self.page_size_bytes,
-                "enable_prefix_caching": self.enable_prefix_caching}
+    def backend_options(self) -> BackendOptions:
+        """The chosen backend's options object (``PagedOptions``, ``VMemOptions``) for
+        ``create_kv_cache(..., options=...)``: the fields it shares with this config, its defaults for
+        the rest."""
+        cls = backend_options_class(self.backend)
+        return cls(**{n: getattr(self, n) for n in cls.field_names() if n in BACKEND_OPTION_FIELDS})
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class LLMEngine:
                                   free_memory_bytes=free)
         kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=resolved.max_num_seqs,
                                    max_model_len=resolved.max_model_len,
-                                   memory_bytes=resolved.kv_memory_bytes, **cc.backend_options())
+                                   memory_bytes=resolved.kv_memory_bytes, options=cc.backend_options())
         try:
             usage = kv_cache.usage()
             resolved = resolved.fit_to_capacity(usage.free_tokens, usage.capacity_bytes)

@@ -1,23 +1,72 @@
-"""``create_kv_cache``: the one place that imports a backend (lazily)."""
+"""The KV backends by name: the one place that names a backend, imported lazily.
+
+    create_kv_cache("vmem", spec, max_num_seqs=8, max_model_len=4096, memory_bytes=1 << 30,
+                    options=VMemOptions(layout="per_layer", attention_impl="sdpa"))
+    create_kv_cache("vmem", spec, ..., layout="per_layer")          # the same, as keywords
+
+Each backend registers two strings: its cache class and its options class (a
+:class:`~vmkv.kvcache.options.BackendOptions`, torch-free, beside the implementation).  The engine
+config and the CLIs get the options classes from here (:func:`backend_options_class`,
+:func:`option_backends`), so the backends' defaults and name lists are read, never copied.  Importing
+this module imports neither torch nor a backend.
+"""
 
 from __future__ import annotations
 
 import importlib
-import inspect
+from typing import TYPE_CHECKING, Any
 
-from vmkv.kvcache.base import KVCache, KVCacheSpec
+if TYPE_CHECKING:  # pragma: no cover
+    from vmkv.kvcache.base import KVCache, KVCacheSpec
+    from vmkv.kvcache.options import BackendOptions
 
-# backend name -> "module:Class"; imported only when asked for
+__all__ = ["BACKENDS", "backend_choices", "backend_class", "backend_options_class", "option_backends",
+           "create_kv_cache"]
+
+# backend name -> ("module:CacheClass", "module:OptionsClass"); imported only when asked for
 _BACKENDS = {
-    "paged": "vmkv.paged.cache:PagedKVCache",
-    "vmem": "vmkv.vmem.cache:VMemKVCache",
+    "paged": ("vmkv.paged.cache:PagedKVCache", "vmkv.paged.options:PagedOptions"),
+    "vmem": ("vmkv.vmem.cache:VMemKVCache", "vmkv.vmem.options:VMemOptions"),
 }
 
+#: the backend names, in registration order
 BACKENDS = tuple(_BACKENDS)
 
 
+def backend_choices() -> tuple[str, ...]:
+    """The registered backend names (``--backend`` choices)."""
+    return BACKENDS
+
+
+def _entry(backend: str) -> tuple[str, str]:
+    try:
+        return _BACKENDS[backend]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown KV backend {backend!r}; choose one of {list(_BACKENDS)}") from None
+
+
+def _load(target: str):
+    module_name, name = target.split(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def backend_class(backend: str) -> type[KVCache]:
+    """The cache class of ``backend`` (imports the backend, and with it torch).  ValueError if unknown."""
+    return _load(_entry(backend)[0])
+
+
+def backend_options_class(backend: str) -> type[BackendOptions]:
+    """The options dataclass of ``backend`` (torch-free).  ValueError if unknown."""
+    return _load(_entry(backend)[1])
+
+
+def option_backends(name: str) -> tuple[str, ...]:
+    """The backends whose options have a field ``name``, in registration order (``()`` if none)."""
+    return tuple(b for b in BACKENDS if name in backend_options_class(b).field_names())
+
+
 def create_kv_cache(backend: str, spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int,
-                    memory_bytes: int, **options) -> KVCache:
+                    memory_bytes: int, options: BackendOptions | None = None, **kwargs: Any) -> KVCache:
     """Build a KV cache.
 
     Args:
@@ -26,24 +75,27 @@ def create_kv_cache(backend: str, spec: KVCacheSpec, *, max_num_seqs: int, max_m
         max_num_seqs: live sequences at most (vmem: number of slots).
         max_model_len: positions per sequence at most.
         memory_bytes: physical KV memory budget in bytes.
-        **options: backend options: paged ``block_size=16, enable_prefix_caching=True``;
-            vmem ``driver="auto"|"cuda"|"host", layout="megacache"|"per_layer",
-            page_size_bytes=None, enable_prefix_caching=True``.
+        options: the backend's options object (:func:`backend_options_class`: ``PagedOptions``,
+            ``VMemOptions``); ``None``: built from ``kwargs``.
+        **kwargs: the same options as keywords (the options class's fields), when ``options`` is
+            ``None``; omitted ones take the class's defaults.
     Raises:
-        ValueError: unknown backend or option.
+        ValueError: unknown backend or option, an option out of range, options of another backend,
+            or both ``options`` and keywords.
     """
-    try:
-        target = _BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown KV backend {backend!r}; choose one of {list(_BACKENDS)}") from None
-    module_name, cls_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    params = inspect.signature(cls.__init__).parameters
-    known = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY
-             and n not in ("max_num_seqs", "max_model_len", "memory_bytes")]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for the {backend!r} KV backend; "
-                         f"its options are {known}")
-    return cls(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-               memory_bytes=memory_bytes, **options)
+    cls_options = backend_options_class(backend)
+    if options is None:
+        known = cls_options.field_names()
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for the {backend!r} KV backend; "
+                             f"its options are {list(known)}")
+        options = cls_options(**kwargs)
+    elif kwargs:
+        raise ValueError(f"give the {backend!r} backend's options either as options= or as keywords, not both "
+                         f"(got options= and {sorted(kwargs)})")
+    elif not isinstance(options, cls_options):
+        raise ValueError(f"the {backend!r} KV backend takes {cls_options.__name__}, "
+                         f"got {type(options).__name__}")
+    return backend_class(backend)(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  memory_bytes=memory_bytes, **options.as_kwargs())

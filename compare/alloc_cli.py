@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="paged block sizes in tokens")
     p.add_argument("--page-sizes", type=_size_list, default=list(alloc_sim.DEFAULT_PAGE_SIZES),
                    help="vmem page sizes (4K,64K,2M)")
-    p.add_argument("--layouts", default="megacache,per_layer", help="vmem layouts")
+    p.add_argument("--layouts", default=",".join(alloc_sim.LAYOUTS),
+                   help=f"vmem layouts, comma-separated, of {', '.join(alloc_sim.LAYOUTS)} (default: all)")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="reservation baseline length M (capped at the model context); lengths are clipped to it")
     p.add_argument("--memory-gib", type=float, default=40.0, help="KV budget for 'seqs in budget'")

@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from vmkv.kvcache import KVCacheSpec
+from vmkv.kvcache.registry import backend_options_class
 
 __all__ = [
     "SchemeResult",
@@ -43,7 +44,8 @@ __all__ = [
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: 4 KiB (host pages), 64/128/256 KiB (vAttention's patched driver), 2 MiB (the CUDA VMM granularity)
 DEFAULT_PAGE_SIZES = (4 << 10, 64 << 10, 128 << 10, 256 << 10, 2 << 20)
-LAYOUTS = ("megacache", "per_layer")
+#: the vmem backend's layouts (its options module owns the list)
+LAYOUTS = backend_options_class("vmem").field_choices("layout")
 
 
 def units_needed(num_tokens: int | np.ndarray, unit_tokens: int) -> int | np.ndarray:
@@ -166,12 +168,14 @@ def simulate_vmem(lengths: Sequence[int], spec: KVCacheSpec, page_size_bytes: in
         ValueError: unknown layout (allowed: megacache, per_layer), non-positive page size, length < 1.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if page_size_bytes <= 0:
         raise ValueError(f"page_size_bytes must be > 0, got {page_size_bytes}")
     arr = _lengths(lengths)
     if layout == "megacache":
         pages = units_needed(arr * spec.bytes_per_token, page_size_bytes)
+    elif layout != "per_layer":
+        raise ValueError(f"no allocation model for the vmem layout {layout!r}; add one to simulate_vmem")
     else:
         per_reservation = units_needed(arr * (spec.bytes_per_token_per_layer // 2), page_size_bytes)
         pages = 2 * spec.num_layers * per_reservation

@@ -25,11 +25,13 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
-from vmkv.engine.args import DRIVER_CHOICES, LAYOUT_CHOICES, parse_size
+from vmkv.engine.args import option_choices, option_help, parse_size
+from vmkv.engine.config import CacheConfig
+from vmkv.kvcache.registry import backend_choices, option_backends
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "run", "parse_rates", "scenario_name"]
+__all__ = ["add_arguments", "run", "parse_rates", "scenario_name", "backend_knobs", "check_backends"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,10 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: the workload's longest prompt + output, rounded up to 256")
     e.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
-    e.add_argument("--block-size", type=int, default=None, help="paged block size (tokens)")
-    e.add_argument("--page-size", type=parse_size, default=None, help="vmem page size (64K, 2MiB)")
-    e.add_argument("--layout", default=None, choices=LAYOUT_CHOICES)
-    e.add_argument("--driver", default=None, choices=DRIVER_CHOICES)
+    # backend options (choices, help and defaults from the backends' options classes): each backend
+    # gets the ones its options have; a value but the default that no listed backend takes is an error
+    cc = CacheConfig()
+    e.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
+    e.add_argument("--page-size", type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
+                   help=option_help("page_size_bytes"))
+    e.add_argument("--layout", default=cc.layout, choices=option_choices("layout"), help=option_help("layout"))
+    e.add_argument("--driver", default=cc.driver, choices=option_choices("driver"), help=option_help("driver"))
+    e.add_argument("--attention-impl", default=cc.attention_impl, choices=option_choices("attention_impl"),
+                   help=option_help("attention_impl", "; given to the backends that have the option"))
     e.add_argument("--no-prefix-caching", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
@@ -92,7 +100,38 @@ def scenario_name(rate: float) -> str:
     return "offline" if math.isinf(rate) else f"rate-{rate:g}"
 
 
-def _knobs(args, max_model_len: int) -> dict:
+#: engine_bench flag (argparse dest) -> the backend option it sets
+_BACKEND_FLAGS = {"block_size": "block_size", "page_size": "page_size_bytes", "layout": "layout",
+                  "driver": "driver", "attention_impl": "attention_impl"}
+
+
+def backend_knobs(args) -> dict[str, object]:
+    """The backend options of the command line, by option name (``--no-prefix-caching`` ->
+    ``enable_prefix_caching=False``)."""
+    out = {opt: getattr(args, dest) for dest, opt in _BACKEND_FLAGS.items()}
+    out["enable_prefix_caching"] = not args.no_prefix_caching
+    return out
+
+
+def check_backends(args, backends: list[str]) -> None:
+    """Raise ValueError for an unknown backend, or a backend option set to a value but its default that
+    no listed backend takes (e.g. ``--attention-impl sdpa --backends paged``): it would change nothing
+    that is measured."""
+    for b in backends:
+        if b not in backend_choices():
+            raise ValueError(f"unknown KV backend {b!r} in --backends; choose from {list(backend_choices())}")
+    defaults = CacheConfig()
+    for opt, value in backend_knobs(args).items():
+        owners = option_backends(opt)
+        if value != getattr(defaults, opt) and not set(owners) & set(backends):
+            flag = "--" + next(d for d, o in _BACKEND_FLAGS.items() if o == opt).replace("_", "-")
+            raise ValueError(f"{flag} is an option of the {'/'.join(owners)} backend, and --backends "
+                             f"{','.join(backends)} lists none of them; add {owners[0]} to --backends or drop {flag}")
+
+
+def _knobs(args, max_model_len: int, backend: str) -> dict:
+    """``LLMEngine.from_args`` knobs of one run: the engine limits, and the backend options that
+    ``backend``'s options class has."""
     knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "seed": args.seed}
     if args.model in SHAPES:
@@ -101,13 +140,7 @@ def _knobs(args, max_model_len: int) -> dict:
         knobs["memory_bytes"] = int(args.memory_gib * (1 << 30))
     if args.gpu_memory_utilization is not None:
         knobs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    for name in ("block_size", "layout", "driver"):
-        if getattr(args, name) is not None:
-            knobs[name] = getattr(args, name)
-    if args.page_size is not None:
-        knobs["page_size_bytes"] = args.page_size
-    if args.no_prefix_caching:
-        knobs["enable_prefix_caching"] = False
+    knobs.update({k: v for k, v in backend_knobs(args).items() if backend in option_backends(k)})
     return knobs
 
 
@@ -187,6 +220,7 @@ def run(args) -> int:
         base_spec = _spec(args, math.inf)
         for text in (args.input_len, args.output_len):
             LengthDist.parse(text)
+        check_backends(args, backends)
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
@@ -212,7 +246,7 @@ def run(args) -> int:
             for backend in backends:
                 cfg = {"backend": backend, "scenario": scenario_name(rate), "rate_spec": rate_text,
                        "model": None if args.model in SHAPES else args.model, "device": args.device,
-                       "dtype": args.dtype, "knobs": _knobs(args, max_model_len), "workload": spec.to_dict(),
+                       "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
                        "warmup_requests": args.warmup_requests, "temperature": args.temperature,
                        "slo": args.slo, "torch_threads": args.torch_threads}
                 task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)

@@ -28,12 +28,14 @@ import torch
 
 from vmkv.kvcache import KVCacheSpec, create_kv_cache
 from vmkv.kvcache.base import StepSeq
+from vmkv.kvcache.registry import backend_options_class
 
 
-def _backend_options(backend: str) -> dict:
-    if backend == "paged":
-        return {"block_size": 16}
-    return {"driver": "host", "layout": "megacache", "page_size_bytes": 4096}
+def _backend_options(backend: str):
+    """The backend's default options, on the host driver with 4 KiB pages for vmem (CPU timing)."""
+    cls = backend_options_class(backend)
+    host = {"driver": "host", "page_size_bytes": 4096}
+    return cls(**{k: v for k, v in host.items() if k in cls.field_names()})
 
 
 def bench_backend(backend: str, *, num_seqs: int, prompt_len: int, num_layers: int, steps: int,
@@ -51,7 +53,7 @@ def bench_backend(backend: str, *, num_seqs: int, prompt_len: int, num_layers: i
     lens = [prompt_len + rng.randint(-prompt_len // 32, prompt_len // 32) for _ in range(num_seqs)]
     budget_tokens = sum(lens) + num_seqs * (steps + 64) + 2 * max_model_len + 4096
     cache = create_kv_cache(backend, spec, max_num_seqs=num_seqs + 1, max_model_len=max_model_len,
-                            memory_bytes=spec.kv_bytes(budget_tokens), **_backend_options(backend))
+                            memory_bytes=spec.kv_bytes(budget_tokens), options=_backend_options(backend))
     for sid, n in enumerate(lens):
         ids = [rng.randrange(32000) for _ in range(n)]
         cache.allocate(sid, n, token_ids=ids)

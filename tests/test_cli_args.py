@@ -6,26 +6,32 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from types import MappingProxyType
 
 import pytest
 
 from vmkv.engine.args import add_engine_args, engine_kwargs, parse_size
 from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from vmkv.kvcache.options import one_of
+from vmkv.kvcache.registry import backend_options_class
+from vmkv.paged.options import PagedOptions
+from vmkv.vmem import options as vmem_options
+from vmkv.vmem.options import VMemOptions
 
 ENGINE_FLAGS = [
     "--model", "some/dir", "--backend", "vmem", "--device", "cpu", "--dtype", "float32",
     "--random-weights", "tiny", "--seed", "7", "--threads", "1",
     "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "256",
     "--memory-bytes", "64MiB", "--block-size", "32", "--page-size-bytes", "128KiB",
-    "--layout", "per_layer", "--driver", "host",
+    "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
 ]
 EXPECTED_KWARGS = dict(
     model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
     max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256, memory_bytes=64 << 20,
     gpu_memory_utilization=CacheConfig().gpu_memory_utilization, block_size=32,
-    page_size_bytes=128 << 10, layout="per_layer", driver="host", enable_prefix_caching=False,
-    enable_chunked_prefill=False,
+    page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
+    enable_prefix_caching=False, enable_chunked_prefill=False,
 )
 
 
@@ -72,7 +78,7 @@ def test_defaults_come_from_the_configs():
         max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
         memory_bytes=cc.memory_bytes, gpu_memory_utilization=cc.gpu_memory_utilization,
         block_size=cc.block_size, page_size_bytes=cc.page_size_bytes, layout=cc.layout,
-        driver=cc.driver, enable_prefix_caching=cc.enable_prefix_caching,
+        driver=cc.driver, attention_impl=cc.attention_impl, enable_prefix_caching=cc.enable_prefix_caching,
         enable_chunked_prefill=sc.enable_chunked_prefill)
     assert p.parse_args([]).threads is None           # torch's own thread count is left alone
     # the kwargs build a valid config as they are
@@ -87,6 +93,10 @@ def test_both_clis_take_the_same_engine_flags(module, extra):
     assert args.threads == 1
     cfg = EngineConfig.from_args(**engine_kwargs(args))
     assert (cfg.seed, cfg.cache.layout, cfg.scheduler.enable_chunked_prefill) == (7, "per_layer", False)
+    # the typed options the engine hands to create_kv_cache carry every backend flag
+    assert cfg.cache.backend_options() == VMemOptions(
+        driver="host", layout="per_layer", page_size_bytes=128 << 10, enable_prefix_caching=False,
+        attention_impl="sdpa")
 
 
 @pytest.mark.parametrize("module, extra", [("vmkv.server.cli", []), ("vmkv.engine.cli", ["--prompt", "x"])])
@@ -116,6 +126,84 @@ def test_generate_seed_is_the_engine_seed_and_sampling_seed_the_requests():
     for bad in ("", "1,-2", "1,x", "1.5"):
         with pytest.raises(SystemExit):
             p.parse_args(["--prompt-token-ids", bad])
+
+
+# ------------------------------------------------------------------ backend options on the command line
+def _choices(parser: argparse.ArgumentParser, flag: str) -> tuple:
+    return tuple(next(a for a in parser._actions if flag in a.option_strings).choices)
+
+
+@pytest.mark.parametrize("module", ["vmkv.server.cli", "vmkv.engine.cli", "vmkv.compare.cli"])
+def test_backend_option_choices_are_the_options_modules_name_lists(module):
+    p = _parser(module)
+    if module == "vmkv.compare.cli":                 # the options sit on `compare engine`
+        p = p._subparsers._group_actions[0].choices["engine"]
+    assert _choices(p, "--layout") == vmem_options.LAYOUTS
+    assert _choices(p, "--driver") == vmem_options.DRIVERS
+    assert _choices(p, "--attention-impl") == vmem_options.ATTENTION_IMPLS
+    # the defaults are the options dataclasses' defaults
+    a = p.parse_args(["--prompt", "x"] if module == "vmkv.engine.cli" else [])
+    want = VMemOptions()
+    assert (a.layout, a.driver, a.attention_impl) == (want.layout, want.driver, want.attention_impl)
+    assert a.block_size == PagedOptions().block_size
+
+
+def test_a_name_added_to_a_name_list_is_a_choice(monkeypatch):
+    """The CLIs read the name lists when they build the parser, through the registry: no copy to
+    update.  The layout field's check is swapped for one listing one name more."""
+    field = VMemOptions.__dataclass_fields__["layout"]
+    more = (*vmem_options.LAYOUTS, "striped")
+    monkeypatch.setattr(field, "metadata", MappingProxyType({**field.metadata, "check": one_of(more)}))
+    assert backend_options_class("vmem").field_choices("layout") == more
+    for module in ("vmkv.server.cli", "vmkv.engine.cli"):
+        p = _parser(module)
+        assert _choices(p, "--layout") == more
+        assert "striped" in p.format_help()
+
+
+def _engine_config(module: str, flags: list[str]) -> EngineConfig:
+    extra = ["--prompt", "x"] if module == "vmkv.engine.cli" else []
+    return EngineConfig.from_args(**engine_kwargs(_parser(module).parse_args([*extra, *flags])))
+
+
+@pytest.mark.parametrize("module", ["vmkv.server.cli", "vmkv.engine.cli"])
+def test_attention_impl_reaches_the_vmem_cache_options(module):
+    cfg = _engine_config(module, ["--backend", "vmem", "--attention-impl", "sdpa"])
+    assert cfg.cache.attention_impl == "sdpa"
+    opts = cfg.cache.backend_options()
+    assert isinstance(opts, VMemOptions) and opts.attention_impl == "sdpa"
+    # the default is the options class's, on both backends
+    assert _engine_config(module, ["--backend", "vmem"]).cache.backend_options().attention_impl == \
+        VMemOptions().attention_impl
+    assert _engine_config(module, []).cache.backend_options() == PagedOptions()
+
+
+@pytest.mark.parametrize("module", ["vmkv.server.cli", "vmkv.engine.cli"])
+def test_paged_refuses_a_vmem_attention_impl(module):
+    with pytest.raises(ValueError, match=r"attention_impl='sdpa' is an option of the vmem backend.*"
+                                         r"paged backend has no attention_impl"):
+        _engine_config(module, ["--backend", "paged", "--attention-impl", "sdpa"])
+    # the default is no request for another kernel, so a paged run takes it
+    assert _engine_config(module, ["--backend", "paged", "--attention-impl", "auto"]).cache.backend == "paged"
+
+
+def test_generate_refuses_a_vmem_attention_impl_on_paged_before_loading(capsys):
+    from vmkv.cli import main
+
+    rc = main(["generate", "--random-weights", "tiny", "--device", "cpu", "--prompt-token-ids", "1",
+               "--backend", "paged", "--attention-impl", "sdpa"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "attention_impl='sdpa'" in err and "--backend vmem" in err and "Loading" not in err
+
+
+def test_serve_refuses_a_vmem_attention_impl_on_paged(capsys):
+    from vmkv.server.cli import run
+
+    args = _parser("vmkv.server.cli").parse_args(["--random-weights", "tiny", "--device", "cpu",
+                                                  "--backend", "paged", "--attention-impl", "sdpa"])
+    assert run(args) == 2
+    assert "attention_impl='sdpa' is an option of the vmem backend" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ generate on random weights

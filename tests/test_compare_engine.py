@@ -1,6 +1,7 @@
 """`vmkv compare engine` end to end on the `tiny` random-weight shape, both backends, CPU."""
 
 import json
+import sys
 
 import pytest
 
@@ -41,6 +42,12 @@ def test_compare_engine_tiny_both_backends(tmp_path):
     vmm = runs["vmem"]["allocation"]["vmm"]
     assert vmm["num_maps_run"] > 0 and vmm["map_us"]["n"] == vmm["num_maps_run"]
     assert runs["paged"]["allocation"]["vmm"] is None
+    # KVCache.backend_stats() of every backend, with the measured run's share of each counter
+    paged_stats = runs["paged"]["allocation"]["backend_stats"]
+    assert paged_stats["num_blocks"] > 0 and paged_stats["block_size"] == 16
+    assert paged_stats["num_cow_copies_run"] == 0
+    vmem_stats = runs["vmem"]["allocation"]["backend_stats"]
+    assert vmem_stats["num_maps_run"] == vmm["num_maps_run"] and vmem_stats["layout"] == "megacache"
     assert (out / "summary.md").read_text().count("| offline |") >= 3
     assert (out / "latency_cdf_offline.png").stat().st_size > 0 and (out / "kv_memory_offline.png").exists()
 
@@ -59,8 +66,10 @@ def test_relative_rates_use_first_backend_offline_throughput(monkeypatch, tmp_pa
     calls = []
     monkeypatch.setattr(engine_bench, "_run_worker", _fake_worker(calls))
     monkeypatch.setattr("vmkv.compare.engine_report.render", lambda *a, **k: None)
-    rc = main(["compare", "engine", "--model", "tiny", "--request-rate", "0.5x,2,inf", "--num-requests", "3",
-               "--out", str(tmp_path)])
+    argv = ["compare", "engine", "--model", "tiny", "--request-rate", "0.5x,2,inf", "--num-requests", "3",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/vmkv", *argv])   # what the console script sees
+    rc = main(argv)
     assert rc == 0
     order = [(c["scenario"], c["backend"]) for c in calls]
     assert order == [("offline", "paged"), ("offline", "vmem"), ("rate-2", "paged"), ("rate-2", "vmem"),
@@ -68,7 +77,7 @@ def test_relative_rates_use_first_backend_offline_throughput(monkeypatch, tmp_pa
     assert calls[-1]["workload"]["request_rate"] == 5.0 and calls[-1]["rate_spec"] == "0.5x"
     assert all(c["knobs"]["random_weights"] == "tiny" and c["model"] is None for c in calls)
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["environment"]["command"].startswith("vmkv compare engine") or res["environment"]["command"]
+    assert res["environment"]["command"] == " ".join(["vmkv", *argv])
 
 
 def test_relative_rate_without_offline_is_an_error(monkeypatch, tmp_path):
@@ -90,3 +99,62 @@ def test_parse_rates():
     for bad in ("", "fast", "0", "-1x"):
         with pytest.raises(ValueError):
             engine_bench.parse_rates(bad)
+
+
+# ------------------------------------------------------------------ backend options per backend
+def _calls_for(monkeypatch, tmp_path, flags):
+    calls = []
+    monkeypatch.setattr(engine_bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr("vmkv.compare.engine_report.render", lambda *a, **k: None)
+    rc = main(["compare", "engine", "--model", "tiny", "--num-requests", "2", "--out", str(tmp_path), *flags])
+    return rc, {c["backend"]: c["knobs"] for c in calls}
+
+
+def test_attention_impl_reaches_the_vmem_run_only(monkeypatch, tmp_path):
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--attention-impl", "sdpa", "--layout", "per_layer",
+                                                   "--block-size", "32", "--no-prefix-caching"])
+    assert rc == 0 and set(knobs) == {"paged", "vmem"}
+    assert knobs["vmem"]["attention_impl"] == "sdpa" and knobs["vmem"]["layout"] == "per_layer"
+    assert knobs["paged"]["block_size"] == 32
+    # each run gets the options its backend has, no other
+    assert not {"attention_impl", "layout", "driver", "page_size_bytes"} & set(knobs["paged"])
+    assert "block_size" not in knobs["vmem"]
+    assert knobs["paged"]["enable_prefix_caching"] is knobs["vmem"]["enable_prefix_caching"] is False
+    # the worker's config is valid as it is: the typed options carry sdpa to the vmem cache
+    from vmkv.engine.config import EngineConfig
+    from vmkv.vmem.options import VMemOptions
+
+    for backend, kw in knobs.items():
+        opts = EngineConfig.from_args(kv_backend=backend, **kw).cache.backend_options()
+        assert (opts.attention_impl == "sdpa") if backend == "vmem" else not isinstance(opts, VMemOptions)
+
+
+def test_defaults_are_the_options_classes(monkeypatch, tmp_path):
+    from vmkv.paged.options import PagedOptions
+    from vmkv.vmem.options import VMemOptions
+
+    rc, knobs = _calls_for(monkeypatch, tmp_path, [])
+    assert rc == 0
+    v, pg = VMemOptions(), PagedOptions()
+    assert {k: knobs["vmem"][k] for k in ("layout", "driver", "attention_impl", "page_size_bytes",
+                                          "enable_prefix_caching")} == \
+        {"layout": v.layout, "driver": v.driver, "attention_impl": v.attention_impl,
+         "page_size_bytes": v.page_size_bytes, "enable_prefix_caching": v.enable_prefix_caching}
+    assert (knobs["paged"]["block_size"], knobs["paged"]["enable_prefix_caching"]) == \
+        (pg.block_size, pg.enable_prefix_caching)
+
+
+def test_a_vmem_option_without_a_vmem_run_is_an_error(monkeypatch, tmp_path, capsys):
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--backends", "paged", "--attention-impl", "sdpa"])
+    assert rc == 2 and knobs == {}
+    err = capsys.readouterr().out
+    assert "--attention-impl is an option of the vmem backend" in err and "add vmem to --backends" in err
+    # the default value asks for nothing, so a paged-only comparison takes it
+    rc, knobs = _calls_for(monkeypatch, tmp_path / "b", ["--backends", "paged", "--attention-impl", "auto"])
+    assert rc == 0 and set(knobs) == {"paged"}
+
+
+def test_an_unknown_backend_is_an_error(monkeypatch, tmp_path, capsys):
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--backends", "paged,blocks"])
+    assert rc == 2 and knobs == {}
+    assert "unknown KV backend 'blocks'" in capsys.readouterr().out

@@ -119,28 +119,36 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
     return finished, start, time.perf_counter()
 
 
-def _vmm_stats(kv_cache) -> dict | None:
-    """The vmem cache's ``vmm_stats()`` plus its raw map/unmap latency samples (us); None for paged."""
-    fn = getattr(kv_cache, "vmm_stats", None)
-    if not callable(fn):
-        return None
-    stats = dict(fn())
+def _backend_stats(kv_cache) -> dict:
+    """``kv_cache.backend_stats()`` (:class:`~vmkv.kvcache.KVCache`'s backend counters), plus the raw
+    map/unmap latency samples (us) of a backend that keeps them (vmem's ``map_latency_samples_us``;
+    the interface has counts and percentiles, not raw samples)."""
+    stats = dict(kv_cache.backend_stats())
     samples = getattr(kv_cache, "map_latency_samples_us", None)
-    if callable(samples):
+    if "num_maps" in stats and callable(samples):
         stats["map_us"], stats["unmap_us"] = (list(x) for x in samples())
     return stats
 
 
-def _vmm_delta(before: dict | None, after: dict | None) -> tuple[dict | None, dict]:
-    """Counts and latency summaries of the measured run only (warm-up excluded); raw samples apart."""
-    if after is None:
-        return None, {}
-    before = before or {}
+def _counter_deltas(before: dict, after: dict) -> dict:
+    """``after`` (sample lists left out) with ``<counter>_run`` = after - before for every int
+    ``num_*`` counter: the measured run's share, warm-up excluded."""
     out = {k: v for k, v in after.items() if k not in ("map_us", "unmap_us")}
+    for k, v in after.items():
+        if k.startswith("num_") and isinstance(v, int) and not isinstance(v, bool):
+            out[k + "_run"] = v - int(before.get(k, 0))
+    return out
+
+
+def _vmm_delta(before: dict, after: dict) -> tuple[dict | None, dict]:
+    """Map/unmap counts and latency summaries of the measured run (warm-up excluded) and the raw
+    samples apart; ``(None, {})`` for a backend that maps no pages (no ``num_maps`` counter)."""
+    if "num_maps" not in after:
+        return None, {}
+    out = _counter_deltas(before, after)
     raw = {}
     for key, count in (("map_us", "num_maps"), ("unmap_us", "num_unmaps")):
-        new = int(after.get(count, 0)) - int(before.get(count, 0))
-        out[count + "_run"] = new
+        new = out[count + "_run"]
         samples = after.get(key, [])
         samples = samples[len(samples) - min(new, len(samples)):] if new > 0 else []
         raw[key] = [round(x, 3) for x in samples]
@@ -185,7 +193,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         torch.cuda.reset_peak_memory_stats(cuda_device)
 
     st0 = engine.get_stats()
-    vmm0 = _vmm_stats(engine.kv_cache)
+    stats0 = _backend_stats(engine.kv_cache)
     fwd0 = getattr(engine.runner, "forward_time_s_total", 0.0)
     pre0 = getattr(st0, "prefetch_time_s_total", 0.0)
     sampler = _Sampler(engine, time.perf_counter(), st0.alloc_time_s_total, cuda_device)
@@ -200,7 +208,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
     outputs, start, end = _drive(engine, requests, temperature, online=not spec.is_offline, sampler=sampler,
                                  on_finish=on_finish)
     st1 = engine.get_stats()
-    vmm1 = _vmm_stats(engine.kv_cache)
+    stats1 = _backend_stats(engine.kv_cache)
     by_id = {r.request_id: r for r in requests}
     records = [_record(outputs[r.request_id], r) for r in requests]
     mismatches = sum(1 for rec in records if rec.output_len != by_id[rec.request_id].output_len)
@@ -238,7 +246,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "device_used_bytes_peak": int(max(cols["device_used_bytes"], default=0)),
         "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
     }
-    vmm, vmm_raw = _vmm_delta(vmm0, vmm1)
+    vmm, vmm_raw = _vmm_delta(stats0, stats1)
     alloc_steps = np.asarray(cols["alloc_s"], dtype=np.float64) * 1e6
     allocation = {
         "alloc_time_s": alloc_s,
@@ -251,6 +259,8 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "prefetch_tokens": getattr(engine.runner, "prefetch_tokens", 0),
         "forward_time_s": getattr(engine.runner, "forward_time_s_total", 0.0) - fwd0,
         "vmm": vmm,
+        # KVCache.backend_stats() after the run, with the run's share of every num_* counter
+        "backend_stats": _counter_deltas(stats0, stats1),
     }
     timing = {"load_s": load_s, "warmup_s": warmup_s, "run_s": end - start, "num_steps": num_steps,
               "step_ms": summarize(cols["step_s"], 1e3), "sample_overhead_s": sampler.overhead_s}

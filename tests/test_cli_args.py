@@ -265,3 +265,24 @@ def test_text_prompt_to_any_tokenizerless_model_names_prompt_token_ids():
         _prompt_ids(engine, args)
     args = _parser("vmkv.engine.cli").parse_args(["--prompt-token-ids", "4,5"])
     assert _prompt_ids(engine, args) == [4, 5]
+
+
+def test_attention_impl_sdpa_reaches_the_vmem_cache_and_generates_the_same_tokens(capsys):
+    """`vmkv generate --backend vmem --attention-impl sdpa`: the cache runs SDPA on slot views and
+    greedy decoding matches the default implementation's."""
+    from vmkv.engine.llm_engine import LLMEngine
+
+    kw = dict(kv_backend="vmem", driver="host", memory_bytes=1 << 20, seed=2)
+    engine = LLMEngine.from_args(random_weights="tiny", device="cpu", dtype="float32", attention_impl="sdpa", **kw)
+    try:
+        assert engine.kv_cache.attention_impl == "sdpa"
+    finally:
+        engine.close()
+    want = _greedy_ids([1, 2, 3], 5, **kw)
+    assert _greedy_ids([1, 2, 3], 5, attention_impl="sdpa", **kw) == want
+    from vmkv.cli import main
+
+    assert main(["generate", "--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--backend",
+                 "vmem", "--driver", "host", "--memory-bytes", "1MiB", "--seed", "2", "--attention-impl", "sdpa",
+                 "--max-tokens", "5", "--ignore-eos", "--no-stream", "--prompt-token-ids", "1,2,3"]) == 0
+    assert capsys.readouterr().out == ",".join(map(str, want)) + "\n"

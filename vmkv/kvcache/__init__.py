@@ -14,6 +14,8 @@ _NAMES = {
     "KVCacheError": "vmkv.kvcache.errors", "KVCacheFullError": "vmkv.kvcache.errors",
     "UnknownSequenceError": "vmkv.kvcache.errors", "TooManySequencesError": "vmkv.kvcache.errors",
     "BACKENDS": "vmkv.kvcache.registry", "create_kv_cache": "vmkv.kvcache.registry",
+    "backend_choices": "vmkv.kvcache.registry", "backend_options_class": "vmkv.kvcache.registry",
+    "BackendOptions": "vmkv.kvcache.options",
 }
 
 __all__ = sorted(_NAMES)

@@ -98,13 +98,7 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
                 driver.free_reservation(va, layout.reservation_bytes)
             raise
         self.slots = [Slot(i) for i in range(layout.max_num_seqs)]
-        self._pos: dict[int, tuple[int, int]] = {}   # page -> (reservation, unit): fixed while mapped
-        self._where: dict[int, set[int]] = {}        # page -> slots it is mapped in
-        self._live: dict[int, int] = {}              # page -> claimed mappings
-        # page -> tick it was last unclaimed or mapped (kept for unmapped pages too: cached free
-        # pages are evicted by it; at most one entry per created page)
-        self._last_use: dict[int, int] = {}
-        self._reclaimable: set[int] = set()
+        self.table = pool.table          # the one page table (page_table.py)
         self._pending: set[int] = set()      # sources of copies planned but not yet made
         self._tick = 0
         # per page: batch wall time / pages in the batch; per batch: wall time and page count
@@ -124,12 +118,6 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
     @staticmethod
     def _is_claimed(slot: Slot, unit: int) -> bool:
         return slot.seq_id is not None and unit < slot.claimed
-
-    def _update(self, page: int) -> None:
-        if self._live[page] == 0:
-            self._reclaimable.add(page)
-        else:
-            self._reclaimable.discard(page)
 
     def _access_runs(self, slot: Slot, items: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
         """``(va, nbytes)`` of the maximal runs of adjacent pages among ``items`` (``(unit, res,
@@ -154,7 +142,7 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         for unit, res, page in items:
             # internal invariant: a shared page sits at one (reservation, unit) in every slot (prefix
             # hits are verified down to their chain position, so a hit's unit is its depth)
-            pos = self._pos.get(page)
+            pos = self.table.position(page)
             assert pos is None or pos == (res, unit), f"page {page} is at {pos}, cannot map at {(res, unit)}"
             assert slot.page(unit, res) is None, f"slot {slot.index} unit {unit} res {res} is mapped"
         drv = self.driver
@@ -183,16 +171,11 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         self.num_maps += n
         self.num_map_batches += 1
         for unit, res, page in items:
-            self.pool.incref(page)
             pages = slot.units.get(unit)
             if pages is None:
                 pages = slot.units[unit] = [None] * self.num_res
             pages[res] = page
-            self._pos[page] = (res, unit)
-            self._where.setdefault(page, set()).add(slot.index)
-            self._live[page] = self._live.get(page, 0) + self._is_claimed(slot, unit)
-            self._last_use[page] = self._tick
-            self._update(page)
+            self.table.add_mapping(page, res, unit, slot.index, self._is_claimed(slot, unit), self._tick)
 
     def _unmap(self, slot: Slot, unit: int, res: int) -> int:
         pages = slot.units[unit]
@@ -205,14 +188,8 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         pages[res] = None
         if all(p is None for p in pages):
             del slot.units[unit]
-        self._where[page].discard(slot.index)
-        self._live[page] -= self._is_claimed(slot, unit)
-        if self.pool.decref(page) == 0:       # back to the pool: cached free if it has an entry
-            for table in (self._pos, self._where, self._live):
-                del table[page]
-            self._reclaimable.discard(page)
-        else:
-            self._update(page)
+        if self.table.remove_mapping(page, slot.index, self._is_claimed(slot, unit)) == 0:
+            self.pool.unmapped(page)          # back to the pool: cached free if it has an entry
         return page
 
     def _set_claimed(self, slot: Slot, claimed: int) -> None:
@@ -222,10 +199,7 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         for u in units:
             for p in slot.units.get(u, ()):
                 if p is not None:
-                    self._live[p] += step
-                    if step < 0:
-                        self._last_use[p] = self._tick
-                    self._update(p)
+                    self.table.claim(p, step, self._tick)
         slot.claimed = claimed
 
     def _wait_slot(self, slot: Slot) -> None:
@@ -258,7 +232,7 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
     # ------------------------------------------------------------------ capacity
     def available_pages(self) -> int:
         """Pages an operation could obtain: pool pages + reclaimable kept pages."""
-        return self.pool.num_available + len(self._reclaimable)
+        return self.pool.num_available + len(self.table.reclaimable)
 
     def _eviction_order(self, candidates: Iterable[int]) -> list[int]:
         """Pages without a prefix entry first, then least recently used; among pages used at the
@@ -266,7 +240,7 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         backend frees a sequence's blocks tail first)."""
         def key(p: int):
             entry = self.prefix.entry_of(p)
-            return (entry is not None, self._last_use[p], -entry.depth if entry else 0, p)
+            return (entry is not None, self.table.last_use[p], -entry.depth if entry else 0, p)
         return sorted(candidates, key=key)
 
     def reclaim(self, num_pages: int, exclude: frozenset = frozenset()) -> int:
@@ -277,18 +251,18 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         start = self.pool.num_plain_available
         target = start + num_pages
         reclaimed = evicted = 0
-        for page in self._eviction_order((self._reclaimable | self.pool.cached_pages()) - exclude):
+        for page in self._eviction_order((self.table.reclaimable | self.pool.cached_pages()) - exclude):
             if self.pool.num_plain_available >= target:
                 break
             if self.pool.is_cached_free(page):
                 self.pool.evict(page)
                 evicted += 1
-            elif page in self._reclaimable:
+            elif page in self.table.reclaimable:
                 if self.prefix.is_cached(page):
                     self._forget(page)
                     evicted += 1
-                res, unit = self._pos[page]
-                for s in sorted(self._where[page]):
+                res, unit = self.table.position(page)
+                for s in sorted(self.table.slots_of(page)):
                     slot = self.slots[s]
                     self._wait_slot(slot)
                     self._unmap(slot, unit, res)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections
 from typing import Iterable
 
 __all__ = ["MapperCheckMixin"]
@@ -24,7 +23,7 @@ class MapperCheckMixin:
         return self.pool.refcount(page)
 
     def num_mapped_pages(self) -> int:
-        return len(self._pos)
+        return self.table.num_mapped_pages
 
     def stats(self) -> dict:
         return {
@@ -50,9 +49,11 @@ class MapperCheckMixin:
         }
 
     def check_integrity(self) -> None:
-        refs: dict[int, int] = collections.Counter()
-        live: dict[int, int] = collections.Counter()
-        where: dict[int, set] = collections.defaultdict(set)
+        """Walk every slot and compare with the page table, the pool, the prefix index and (where
+        the driver keeps a mapping table: :class:`~vmkv.vmem.checked_driver.CheckedDriver`) the
+        driver."""
+        walk: dict[int, tuple] = {}        # page -> ((res, unit), slots, claimed mappings)
+        expected_va: dict[int, int] = {}   # va -> page
         for slot in self.slots:
             if slot.is_free and slot.claimed:
                 raise AssertionError(f"free slot {slot.index} claims {slot.claimed} units")
@@ -65,41 +66,29 @@ class MapperCheckMixin:
                 for r, p in enumerate(pages):
                     if p is None:
                         continue
-                    if self._pos.get(p) != (r, u):
-                        raise AssertionError(f"page {p} at slot {slot.index} ({r}, {u}) recorded at "
-                                             f"{self._pos.get(p)}")
-                    refs[p] += 1
-                    live[p] += self._is_claimed(slot, u)
-                    where[p].add(slot.index)
-                    if self.driver.mapped_handle(self.va(r, slot.index, u)) != p:
-                        raise AssertionError(f"driver maps {self.driver.mapped_handle(self.va(r, slot.index, u))}"
-                                             f" at slot {slot.index} ({r}, {u}), expected {p}")
-        if set(refs) != set(self._pos):
-            raise AssertionError(f"{len(refs)} pages mapped, {len(self._pos)} recorded")
-        for p, n in refs.items():
-            if self.pool.refcount(p) != n or self._live[p] != live[p] or self._where[p] != where[p]:
-                raise AssertionError(f"page {p}: refcount {self.pool.refcount(p)} vs {n} mappings, "
-                                     f"live {self._live[p]} vs {live[p]}")
-        expected = {p for p in refs if live[p] == 0}
-        if expected != self._reclaimable:
-            raise AssertionError(f"reclaimable set has {len(self._reclaimable)} pages, expected "
-                                 f"{len(expected)}")
-        if self.driver.num_pending_access:
-            raise AssertionError(f"{self.driver.num_pending_access} mapped pages have no access set")
-        if sum(refs.values()) != self.driver.num_mappings:
-            raise AssertionError(f"{sum(refs.values())} mappings recorded, driver has "
-                                 f"{self.driver.num_mappings}")
-        if self.pool.num_in_use != len(refs):
-            raise AssertionError(f"pool has {self.pool.num_in_use} pages in use, {len(refs)} mapped")
-        stray = self.prefix.handles() - set(refs) - self.pool.cached_pages()
+                    pos, slots, claimed = walk.get(p, ((r, u), set(), 0))
+                    if pos != (r, u):
+                        raise AssertionError(f"page {p} mapped at (reservation, unit) {pos} and {(r, u)}")
+                    slots.add(slot.index)
+                    walk[p] = (pos, slots, claimed + self._is_claimed(slot, u))
+                    expected_va[self.va(r, slot.index, u)] = p
+        self.table.check_against(walk)
+        check_driver = getattr(self.driver, "check_mappings", None)
+        if check_driver is not None:
+            check_driver(expected_va)
+        unmapped_in_use = [p for p, e in self.table.entries.items() if not e.slots]
+        if unmapped_in_use:
+            raise AssertionError(f"pages {sorted(unmapped_in_use)} are in use but mapped nowhere "
+                                 f"(acquired and not given back)")
+        stray = self.prefix.handles() - set(walk) - self.pool.cached_pages()
         if stray:
             raise AssertionError(f"prefix entries name {len(stray)} pages neither mapped nor cached free")
-        for p in refs:
+        for p, (pos, _, _) in walk.items():
             entry = self.prefix.entry_of(p)
-            if entry is not None and (entry.depth, entry.handles.index(p)) != self._pos[p][::-1]:
-                raise AssertionError(f"page {p} mapped at (reservation, unit) {self._pos[p]} caches "
+            if entry is not None and (entry.depth, entry.handles.index(p)) != pos[::-1]:
+                raise AssertionError(f"page {p} mapped at (reservation, unit) {pos} caches "
                                      f"unit {entry.depth}, reservation {entry.handles.index(p)}")
-        missing = (self.pool.cached_pages() | set(refs)) - self._last_use.keys()
+        missing = (self.pool.cached_pages() | set(walk)) - self.table.last_use.keys()
         if missing:
             raise AssertionError(f"pages {sorted(missing)} have no last-use tick")
         self.pool.check_integrity()
@@ -110,7 +99,7 @@ class MapperCheckMixin:
         self._sync()
         self.prefix.clear()
         for slot in self.slots:
-            slot.claimed = 0
+            self._set_claimed(slot, 0)
             slot.seq_id = None
             for u in sorted(slot.units):
                 for r in range(self.num_res):

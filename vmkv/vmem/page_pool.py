@@ -1,6 +1,8 @@
-"""Physical pages of the vmem backend: created up front or lazily up to a budget, reference counted.
+"""Physical pages of the vmem backend: created up front or lazily up to a budget.
 
-A page's reference count is the number of slot positions it is mapped at (fork and prefix sharing map
+Which pages are in use and their reference counts live in the one
+:class:`~vmkv.vmem.page_table.PageTable` (:attr:`PagePool.table`).  A page's reference count is the
+number of slot positions it is mapped at (fork and prefix sharing map
 one page into several slots; vAttention, Prabhu et al., ASPLOS'25, keeps physical pages in a pool and
 reuses them across requests instead of freeing them).  A page whose count drops to zero stays created
 (only :meth:`PagePool.close` releases pages to the driver) and goes back to one of two free tiers, as
@@ -18,7 +20,8 @@ from contextlib import contextmanager
 
 from vmkv.kvcache.errors import KVCacheFullError
 from vmkv.kvcache.prefix import PrefixIndex
-from vmkv.vmem.driver import VMMDriver, VMMError
+from vmkv.vmem.driver import VMMError
+from vmkv.vmem.page_table import PageTable
 
 __all__ = ["PagePool", "PagePoolExhaustedError", "out_of_memory_is_full"]
 
@@ -28,7 +31,7 @@ class PagePoolExhaustedError(RuntimeError):
 
 
 @contextmanager
-def out_of_memory_is_full(driver: VMMDriver, num_tokens: int):
+def out_of_memory_is_full(driver, num_tokens: int):
     """A page the device (or the host file) could not create is a full cache, not a failure: the
     engine preempts.  The mapper undid the operation before the error left it."""
     try:
@@ -49,7 +52,7 @@ class PagePool:
         prefix: the prefix index whose handles are pages (a new one if ``None``).
     """
 
-    def __init__(self, driver: VMMDriver, max_pages: int, preallocate: bool = False,
+    def __init__(self, driver, max_pages: int, preallocate: bool = False,
                  prefix: PrefixIndex | None = None) -> None:
         if max_pages <= 0:
             raise ValueError(f"max_pages must be > 0, got {max_pages}")
@@ -58,7 +61,7 @@ class PagePool:
         self.prefix = PrefixIndex() if prefix is None else prefix
         self._free: list[int] = []
         self._cached: set[int] = set()         # cached free pages (refcount 0, content kept)
-        self._refcount: dict[int, int] = {}   # page -> mappings (0 while acquired, not yet mapped)
+        self.table = PageTable()               # pages in use: acquired (not yet mapped) or mapped
         self._num_created = 0
         if preallocate:
             for _ in range(self.max_pages):
@@ -94,11 +97,10 @@ class PagePool:
 
     @property
     def num_in_use(self) -> int:
-        return len(self._refcount)
+        return len(self.table)
 
     def acquire(self) -> int:
-        """Take a plain page (count 0; the caller maps it and calls :meth:`incref`, or
-        :meth:`give_back`).  Never evicts a cached page: :meth:`evict` first."""
+        """Take a plain page (in use, mapped nowhere; the caller maps it, or :meth:`give_back`).  Never evicts a cached page: :meth:`evict` first."""
         if self._free:
             page = self._free.pop()
         elif self._num_created < self.max_pages:
@@ -107,7 +109,7 @@ class PagePool:
         else:
             raise PagePoolExhaustedError(f"all {self.max_pages} pages are in use or cached "
                                          f"({len(self._cached)} cached free)")
-        self._refcount[page] = 0
+        self.table.add(page)
         return page
 
     def revive(self, page: int) -> None:
@@ -115,13 +117,18 @@ class PagePool:
         if page not in self._cached:
             raise ValueError(f"page {page} is not a cached free page")
         self._cached.remove(page)
-        self._refcount[page] = 0
+        self.table.add(page)
 
     def give_back(self, page: int) -> None:
         """Return an acquired (or revived) page that was never mapped."""
-        if self._refcount.get(page) != 0:
+        if page not in self.table or self.table.refcount(page):
             raise ValueError(f"page {page} is not an acquired, unmapped page")
-        del self._refcount[page]
+        self.unmapped(page)
+
+    def unmapped(self, page: int) -> None:
+        """``page``'s last mapping is gone: it becomes cached free (it holds a prefix-cache unit) or
+        plain free."""
+        self.table.remove(page)
         self._release_to_tier(page)
 
     def _release_to_tier(self, page: int) -> None:
@@ -146,42 +153,26 @@ class PagePool:
                 self._free.append(p)
         return dropped
 
-    def incref(self, page: int) -> int:
-        self._refcount[page] += 1
-        return self._refcount[page]
-
-    def decref(self, page: int) -> int:
-        """Drop one reference; at zero the page becomes cached free (it holds a prefix-cache unit)
-        or plain free.  Returns the new count."""
-        count = self._refcount[page] - 1
-        if count < 0:
-            raise AssertionError(f"page {page} reference count would go negative")
-        if count == 0:
-            del self._refcount[page]
-            self._release_to_tier(page)
-        else:
-            self._refcount[page] = count
-        return count
-
     def refcount(self, page: int) -> int:
-        return self._refcount.get(page, 0)
+        return self.table.refcount(page)
 
     def pages_in_use(self) -> dict[int, int]:
         """Copy of ``page -> reference count`` for pages in use."""
-        return dict(self._refcount)
+        return {p: len(e.slots) for p, e in self.table.entries.items()}
 
     def check_integrity(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError(f"free list has duplicates: {len(self._free)} entries, {len(free)} distinct")
+        in_use = self.table.entries.keys()
         for name, tier in (("plain free", free), ("cached free", self._cached)):
-            if tier & self._refcount.keys():
-                raise AssertionError(f"pages both {name} and in use: {sorted(tier & self._refcount.keys())}")
+            if tier & in_use:
+                raise AssertionError(f"pages both {name} and in use: {sorted(tier & in_use)}")
         if free & self._cached:
             raise AssertionError(f"pages both plain and cached free: {sorted(free & self._cached)}")
-        if len(free) + len(self._cached) + len(self._refcount) != self._num_created:
+        if len(free) + len(self._cached) + len(in_use) != self._num_created:
             raise AssertionError(f"plain free {len(free)} + cached free {len(self._cached)} + in use "
-                                 f"{len(self._refcount)} != created {self._num_created}")
+                                 f"{len(in_use)} != created {self._num_created}")
         hashed = self.prefix.handles()
         if self._cached - hashed:
             raise AssertionError(f"cached free pages {sorted(self._cached - hashed)} have no prefix entry")
@@ -190,8 +181,8 @@ class PagePool:
 
     def close(self) -> None:
         """Release every created page (all must be unmapped)."""
-        if self._refcount:
-            raise AssertionError(f"{len(self._refcount)} pages still in use at close")
+        if len(self.table):
+            raise AssertionError(f"{len(self.table)} pages still in use at close")
         self.prefix.clear()
         self._free.extend(self._cached)
         self._cached.clear()

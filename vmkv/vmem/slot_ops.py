@@ -28,7 +28,7 @@ class SlotOpsMixin:
         staying = {p for u in units for p in slot.units.get(u, ()) if p is not None}
         holes = sum(1 for u in units for r in range(self.num_res) if slot.page(u, r) is None)
         need = holes + len(cached)
-        others = self._reclaimable - exclude - staying
+        others = self.table.reclaimable - exclude - staying
         plain = self.pool.num_plain_available + sum(1 for p in others if not self.prefix.is_cached(p))
         if need > plain:
             candidates = (others | self.pool.cached_pages() | {p for *_, p in cached}) - exclude
@@ -84,7 +84,7 @@ class SlotOpsMixin:
                 cur = slot.page(u, r)
                 if u < len(hits):
                     hit = hits[u][r]
-                    if hit in self._reclaimable or self.pool.is_cached_free(hit):
+                    if hit in self.table.reclaimable or self.pool.is_cached_free(hit):
                         leaving.add(hit)            # becomes claimed
                 elif self._needs_fresh(cur):
                     fresh += 1                      # a hole, or a shared kept page to replace
@@ -220,7 +220,7 @@ class SlotOpsMixin:
 
     def _cow(self, slot: Slot, unit: int, res: int) -> tuple:
         old = slot.page(unit, res)
-        src = self.slots[min(self._where[old] - {slot.index})]
+        src = self.slots[min(self.table.slots_of(old) - {slot.index})]
         self._ensure_pool(1, frozenset(self._pending | {old}))
         new = self.pool.acquire()
         if self._is_claimed(slot, unit):

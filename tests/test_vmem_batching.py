@@ -16,9 +16,10 @@ from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.kvcache.base import KVCache
 from vmkv.vmem import HostDriver, VMemKVCache, VMMError
+from vmkv.vmem.checked_driver import CheckedDriver
 from vmkv.vmem import cache as cache_mod
 from vmkv.vmem.mapper import SlotMapper
-from vmem_helpers import random_op
+from vmem_helpers import checked_drivers, random_op  # noqa: F401 - checked_drivers is an autouse fixture
 
 PAGE = 4096
 MAX_LEN = 128
@@ -27,12 +28,12 @@ UT = {"megacache": 4, "per_layer": 16}
 PPU = {"megacache": 1, "per_layer": 4}
 
 
-class CountingDriver(HostDriver):
-    """Host driver that records every map (with its set_access flag) and set_access call, and can
-    be told to fail the next set_access."""
+class CountingDriver(CheckedDriver):
+    """Checked host driver that records every map (with its set_access flag) and set_access call,
+    and can be told to fail the next set_access."""
 
     def __init__(self) -> None:
-        super().__init__("cpu", PAGE)
+        super().__init__(HostDriver("cpu", PAGE))
         self.maps: list[tuple[int, bool]] = []
         self.accesses: list[tuple[int, int]] = []
         self.fail_next_access = False

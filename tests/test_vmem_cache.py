@@ -15,8 +15,9 @@ from vmkv import KVCacheFullError, KVCacheSpec, StepSeq, create_kv_cache
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
 from vmkv.vmem import HostDriver, SlotsExhaustedError, VMemKVCache
+from vmkv.vmem.checked_driver import CheckedDriver
 from vmkv.vmem.driver import VMMError
-from vmem_helpers import random_kv, random_op, write_all
+from vmem_helpers import checked_drivers, random_kv, random_op, write_all  # noqa: F401 - checked_drivers is an autouse fixture
 
 PAGE = 4096
 MAX_LEN = 128
@@ -492,7 +493,7 @@ def test_constructor_validation():
 
 
 def test_close_releases_everything():
-    drv = HostDriver("cpu", PAGE)
+    drv = CheckedDriver(HostDriver("cpu", PAGE))
     c = VMemKVCache(SPEC, max_num_seqs=3, max_model_len=MAX_LEN, memory_bytes=64 * PAGE, driver=drv,
                     layout="per_layer")
     c.allocate(1, 40)
@@ -580,7 +581,7 @@ def test_page_creation_out_of_memory_is_a_full_cache(make, layout, monkeypatch):
 
     def no_memory():
         raise VMMError(drv.calls["create_page"], "ENOMEM (Cannot allocate memory)", "injected")
-    monkeypatch.setattr(drv, "_create_page", no_memory)
+    monkeypatch.setattr(drv.inner, "_create_page", no_memory)     # the OS call under CheckedDriver
     with pytest.raises(KVCacheFullError, match="could not create a page") as err:
         c.allocate(2, 3 * UT[layout])
     assert isinstance(err.value.__cause__, VMMError) and err.value.__cause__.out_of_memory
@@ -601,7 +602,7 @@ def test_other_driver_errors_are_not_a_full_cache(make, layout, monkeypatch):
 
     def broken():
         raise VMMError(drv.calls["create_page"], "EBADF (Bad file descriptor)", "injected")
-    monkeypatch.setattr(drv, "_create_page", broken)
+    monkeypatch.setattr(drv.inner, "_create_page", broken)
     with pytest.raises(VMMError, match="EBADF"):
         c.allocate(2, 3)
     c.check_integrity()

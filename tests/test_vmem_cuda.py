@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 cuda_bindings = pytest.importorskip("cuda.bindings")
 
 from vmkv.vmem import CudaDriver, VMemKVCache, VMMError  # noqa: E402
-from vmem_helpers import random_kv, write_all  # noqa: E402
+from vmkv.vmem.checked_driver import CheckedDriver  # noqa: E402
+from vmem_helpers import checked_drivers, random_kv, write_all  # noqa: E402, F401 - checked_drivers: autouse fixture
 
 MIB = 1024 * 1024
 MAX_LEN = 4096
@@ -28,7 +29,7 @@ PPU = {"megacache": 1, "per_layer": 8}
 
 @pytest.fixture
 def driver():
-    d = CudaDriver("cuda")
+    d = CheckedDriver(CudaDriver("cuda"))
     yield d
     torch.cuda.synchronize()
     d.close()
@@ -117,7 +118,7 @@ def test_cuda_driver_errors_name_the_call(driver):
 
 def test_cuda_cache_roundtrip_fork_copy_on_write(make, layout):
     c = make()
-    assert isinstance(c.driver, CudaDriver) and c.unit_tokens == UT[layout]
+    assert isinstance(c.driver.inner, CudaDriver) and c.unit_tokens == UT[layout]
     ut, ppu = UT[layout], PPU[layout]
     n = ut + ut // 2
     c.allocate(1, n)

@@ -1,4 +1,5 @@
-"""HostDriver: the real mmap/memfd mechanism of the vmem backend, on CPU."""
+"""HostDriver: the real mmap/memfd mechanism of the vmem backend, on CPU.  Argument validation is
+CheckedDriver's (the drivers are thin), so most tests drive a CheckedDriver around a HostDriver."""
 
 import mmap
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from vmkv.vmem.checked_driver import CheckedDriver
 from vmkv.vmem.driver import HostDriver, VMMError, get_driver
 
 PAGE = 4096
@@ -14,7 +16,7 @@ PAGE = 4096
 
 @pytest.fixture
 def drv():
-    d = HostDriver("cpu", PAGE)
+    d = CheckedDriver(HostDriver("cpu", PAGE))
     yield d
     d.close()
 
@@ -127,7 +129,7 @@ def test_libc_failure_is_a_vmm_error_with_errno(drv):
 
 
 def test_close_releases_everything_and_counts_balance():
-    d = HostDriver("cpu", PAGE)
+    d = CheckedDriver(HostDriver("cpu", PAGE))
     va = d.reserve(8 * PAGE)
     pages = [d.create_page() for _ in range(5)]
     for i, p in enumerate(pages):
@@ -270,3 +272,27 @@ def test_close_removes_guards(drv):
     drv.map_guard(va)
     drv.close()
     assert (drv.num_guards, drv.num_reservations) == (0, 0)
+
+
+def test_thin_driver_keeps_no_mapping_table():
+    """The thin driver passes calls through: it knows its reservations and guards, not what is
+    mapped (the cache's page table does); CheckedDriver knows both and refuses misuse."""
+    d = HostDriver("cpu", PAGE)
+    va = d.reserve(4 * PAGE)
+    d.map_guard(va)
+    page = d.create_page()
+    d.map(va + PAGE, page)
+    assert [d.page_state(a) for a in (va, va + PAGE, va + 2 * PAGE, va - 1)] == \
+        ["guard", "reserved", "reserved", "outside"]
+    assert d.is_backed(va) and not d.is_backed(va + PAGE) and d.is_backed(va - 1)
+    assert not hasattr(d, "num_mappings") and not hasattr(d, "mapped_handle")
+    d.as_tensor(va + PAGE, PAGE).fill_(7)
+    d.unmap(va + PAGE)
+    d.release(page)
+    d.close()
+    assert d.num_reservations == 0
+    checked = CheckedDriver(HostDriver("cpu", PAGE))
+    va = checked.reserve(2 * PAGE)
+    with pytest.raises(VMMError, match="nothing is mapped"):
+        checked.unmap(va)
+    checked.close()

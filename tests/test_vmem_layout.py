@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from vmem_helpers import check_launch_pointers, random_kv
+from vmem_helpers import checked_drivers, check_launch_pointers, random_kv  # noqa: F401 - checked_drivers is an autouse fixture
 from vmkv.kernels import _checks, ops
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import KVCacheSpec, StepSeq

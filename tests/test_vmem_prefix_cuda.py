@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("cuda.bindings")
 
 from vmkv.vmem import VMemKVCache  # noqa: E402
-from vmem_helpers import random_kv, random_op  # noqa: E402
+from vmem_helpers import checked_drivers, random_kv, random_op  # noqa: E402, F401 - checked_drivers: autouse fixture
 
 MIB = 1024 * 1024
 # 2 layers x 8 KV heads x 128 dims, bf16: 8 KiB per token -> 256 tokens per 2 MiB megacache page;

@@ -27,6 +27,7 @@ from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.kernels.reference import attention_one_seq_ref
+from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
 
 pytestmark = pytest.mark.gpu
 

@@ -2,6 +2,8 @@
 test_vmem_layout.py, test_vmem_pressure_cuda.py).
 
 Each file keeps its own ``SPEC`` (host fp32 or CUDA bf16); the helpers take it as an argument.
+A test module that imports :func:`checked_drivers` gets every driver a cache makes for itself
+wrapped in :class:`~vmkv.vmem.checked_driver.CheckedDriver` (production uses the thin driver).
 """
 
 from __future__ import annotations
@@ -10,9 +12,20 @@ import importlib
 import random
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from vmkv import KVCacheFullError, KVCacheSpec
+from vmkv.vmem import cache as vmem_cache
+from vmkv.vmem.checked_driver import CheckedDriver
+from vmkv.vmem.driver import get_driver
+
+
+@pytest.fixture(autouse=True)
+def checked_drivers(monkeypatch):
+    """Autouse where imported: a cache made with ``driver="auto"|"host"|"cuda"`` gets its driver
+    wrapped in :class:`CheckedDriver` (every call validated, a mapping table to check against)."""
+    monkeypatch.setattr(vmem_cache, "get_driver", lambda *a, **kw: CheckedDriver(get_driver(*a, **kw)))
 
 
 def random_kv(spec: KVCacheSpec, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

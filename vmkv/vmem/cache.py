@@ -60,7 +60,8 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         max_num_seqs: slots (live sequences at most).
         max_model_len: positions per slot.
         memory_bytes: physical budget; ``memory_bytes // page_size_bytes`` pages at most.
-        driver: ``"auto"`` | ``"cuda"`` | ``"host"`` or a :class:`VMMDriver` (not closed by the cache).
+        driver: ``"auto"`` | ``"cuda"`` | ``"host"`` or a :class:`VMMDriver` (or a
+            :class:`~vmkv.vmem.checked_driver.CheckedDriver` around one; not closed by the cache).
         layout: ``"megacache"`` (one reservation, a page covers all layers of a token range) or
             ``"per_layer"`` (``2 * num_layers`` reservations).
         page_size_bytes: page size; default: CUDA allocation granularity (2 MiB) or
@@ -94,7 +95,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         if attention_impl not in _ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {_ATTENTION_IMPLS}, got {attention_impl!r}")
         self.attention_impl = attention_impl
-        self._owns_driver = not isinstance(driver, VMMDriver)
+        self._owns_driver = isinstance(driver, str)
         if self._owns_driver:
             if page_size_bytes is None and (driver == "host" or (driver == "auto" and not spec.is_cuda)):
                 page_size_bytes = default_host_page_size(layout, spec, self.max_model_len)

@@ -122,7 +122,7 @@ class CudaDriver(VMMDriver):
 
     def _set_access(self, va: int, nbytes: int) -> None:
         # one call over a fully mapped range that may span many cuMemMap'ed pages (the driver API
-        # requires every byte of [va, va + nbytes) to be mapped; the base class checked that)
+        # requires every byte of [va, va + nbytes) to be mapped; the caller guarantees it)
         self._enter()
         self._check("cuMemSetAccess", self._cu.cuMemSetAccess(va, nbytes, self._access, 1))
 
@@ -145,17 +145,19 @@ class CudaDriver(VMMDriver):
         holder = type("_CudaArray", (), {})()
         holder.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (va, False),
                                            "version": 3, "strides": None}
-        scratch = None
-        if va not in self._mappings:
-            scratch = self.create_page()
-            self.map(va, scratch)
+        scratch = self._create_page()       # the driver keeps no mapping table: try to map it
+        try:
+            self._map(va, scratch, True)
+        except VMMError:                    # something is mapped at va already: no scratch needed
+            self._release(scratch)
+            scratch = None
         try:
             with torch.cuda.device(self.device):
                 return torch.as_tensor(holder, device=self.device)
         finally:
             if scratch is not None:
-                self.unmap(va)
-                self.release(scratch)
+                self._unmap(va)
+                self._release(scratch)
 
     def record_fence(self) -> object:
         event = torch.cuda.Event()

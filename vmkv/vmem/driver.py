@@ -22,8 +22,11 @@ page (H200: ~30 us for 1 page, ~48 us for 256), so callers that map several adja
 ``set_access=False`` and call :meth:`VMMDriver.set_access` once per run.  The host driver mirrors
 this: such a page is mapped ``PROT_NONE`` until ``set_access`` (``mprotect``) makes it read/write.
 
-Both drivers validate their arguments the same way (page-aligned addresses inside a reservation, no
-double map, no release of a mapped page) and raise :class:`VMMError` naming the failing call.
+The drivers are thin: they keep the reservations (for tensors and teardown) and the guard pages,
+no mapping table and no reference counts (the cache's page table, ``page_table.py``, is the one
+record).  Argument validation (page-aligned addresses inside a reservation, no double map, no
+release of a mapped page, no use after close) is :class:`~vmkv.vmem.checked_driver.CheckedDriver`'s,
+a wrapper tests put around a driver; a failing OS/CUDA call raises :class:`VMMError` naming it.
 Touching an unmapped part of a tensor from :meth:`VMMDriver.as_tensor` is a fault (SIGSEGV on the
 host, an illegal address on CUDA); callers only touch mapped pages.
 
@@ -34,8 +37,8 @@ which is unmapped whenever slot 0 holds no page.  :meth:`VMMDriver.map_guard` ba
 reservation for the reservation's lifetime with the driver's guard page (one physical page shared by
 every guard of the driver, never handed out, never unmapped until :meth:`free_reservation`); a launch
 passes that address and the element offset of the view from it (``vmkv.kernels`` "anchors"), so every
-address a launch receives is backed whatever is mapped.  Guards are not counted in
-:attr:`num_pages` / :attr:`num_mappings`; :meth:`page_state` tells whether an address is backed.
+address a launch receives is backed whatever is mapped.  :meth:`page_state` tells guards
+and addresses outside any reservation (backed) from reserved pages.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ class VMMError(RuntimeError):
 
 
 class VMMDriver(GuardPagesMixin, abc.ABC):
-    """The driver protocol, with the bookkeeping and argument checks both drivers share.
+    """The driver protocol: a thin layer over the OS/CUDA calls (no validation; see
+    :class:`~vmkv.vmem.checked_driver.CheckedDriver`).
 
     Page handles are opaque ints.  ``map``/``unmap`` work on exactly one page at ``va``.
 
@@ -108,9 +112,6 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         self.page_size_bytes = int(page_size_bytes)
         self._reservations: dict[int, int] = {}        # va -> nbytes
         self._tensors: dict[int, torch.Tensor] = {}    # reservation va -> uint8 tensor over it
-        self._mappings: dict[int, int] = {}            # va -> page handle
-        self._page_map_count: dict[int, int] = {}      # live page handle -> number of mappings
-        self._no_access: set[int] = set()              # mapped va whose access is not set yet
         self._guards: set[int] = set()                 # va of guard pages (see map_guard)
         self._guard_handle: int | None = None          # the one physical page behind every guard
         self._closed = False
@@ -147,36 +148,17 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
     def _invalid(self, op: str, detail: str) -> VMMError:
         return VMMError(self.calls.get(op, op), self.invalid_code, detail)
 
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise self._invalid(op, f"{self.name} driver is closed")
-
     def reserve(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (a positive multiple of ``page_size_bytes``) of virtual address space.
-
-        Returns:
-            The start address (page aligned).
-        Raises:
-            VMMError: bad size or the reservation call failed.
-        """
-        self._check_open("reserve")
+        """Reserve ``nbytes`` (a positive multiple of ``page_size_bytes``) of virtual address space;
+        returns the start address (page aligned).  Raises VMMError: the reservation call failed."""
         nbytes = int(nbytes)
-        if nbytes <= 0 or nbytes % self.page_size_bytes:
-            raise self._invalid("reserve", f"nbytes={nbytes} must be a positive multiple of "
-                                           f"page_size_bytes={self.page_size_bytes}")
         va = self._reserve(nbytes)
         self._reservations[va] = nbytes
         return va
 
     def free_reservation(self, va: int, nbytes: int) -> None:
-        """Give back a whole reservation; every page in it must be unmapped first."""
-        self._check_open("free_reservation")
-        if self._reservations.get(va) != nbytes:
-            raise self._invalid("free_reservation", f"no reservation of {nbytes} bytes at {va:#x}")
-        inside = sum(1 for m in self._mappings if va <= m < va + nbytes)
-        if inside:
-            raise self._invalid("free_reservation", f"{inside} pages still mapped in {va:#x}+{nbytes}; "
-                                                    f"unmap them first")
+        """Give back a whole reservation (its guard page too); every other page in it must be
+        unmapped first."""
         self._tensors.pop(va, None)
         for g in sorted(g for g in self._guards if va <= g < va + nbytes):
             self._unmap(g)
@@ -189,22 +171,11 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
 
     def create_page(self) -> int:
         """Create one physical page; returns its handle."""
-        self._check_open("create_page")
-        handle = self._create_page()
-        self._page_map_count[handle] = 0
-        return handle
+        return self._create_page()
 
     def release(self, handle: int) -> None:
         """Release a page that is mapped nowhere (call ``unmap`` first)."""
-        self._check_open("release")
-        count = self._page_map_count.get(handle)
-        if count is None:
-            raise self._invalid("release", f"unknown or already released page handle {handle}")
-        if count:
-            raise self._invalid("release", f"page {handle} is still mapped at {count} addresses; "
-                                           f"unmap it first")
         self._release(handle)
-        del self._page_map_count[handle]
 
     def _reservation_of(self, op: str, va: int, nbytes: int) -> int:
         for start, size in self._reservations.items():
@@ -220,38 +191,13 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
                 inaccessible until :meth:`set_access` covers it (batch several adjacent pages into
                 one access call); touching it before is a fault.
         Raises:
-            VMMError: bad address or handle, or the map (or access) call failed; nothing is mapped then.
+            VMMError: the map (or access) call failed; nothing is mapped then.
         """
-        self._check_open("map")
-        start = self._reservation_of("map", va, self.page_size_bytes)
-        if (va - start) % self.page_size_bytes:
-            raise self._invalid("map", f"va={va:#x} is not on a page boundary of its reservation "
-                                       f"({start:#x} + k * {self.page_size_bytes})")
-        if va in self._mappings:
-            raise self._invalid("map", f"va={va:#x} is already mapped; unmap it first")
-        if va in self._guards:
-            raise self._invalid("map", f"va={va:#x} is a guard page (mapped for the reservation's "
-                                       f"lifetime); map another page")
-        if handle not in self._page_map_count:
-            raise self._invalid("map", f"unknown or released page handle {handle}")
         self._map(va, handle, bool(set_access))
-        self._mappings[va] = handle
-        self._page_map_count[handle] += 1
-        if not set_access:
-            self._no_access.add(va)
 
     def unmap(self, va: int) -> None:
         """Remove the page mapped at ``va``; the range stays reserved (and inaccessible)."""
-        self._check_open("unmap")
-        handle = self._mappings.get(va)
-        if handle is None:
-            what = "a guard page is mapped for the reservation's lifetime" if va in self._guards else \
-                "nothing is mapped"
-            raise self._invalid("unmap", f"{what} at va={va:#x}")
         self._unmap(va)
-        del self._mappings[va]
-        self._no_access.discard(va)
-        self._page_map_count[handle] -= 1
 
     def as_tensor(self, va: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Zero-copy 1-D tensor over ``[va, va + nbytes)`` inside one reservation.
@@ -260,7 +206,6 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         Returns:
             ``[nbytes // dtype_size]`` tensor of ``dtype`` on :attr:`device`.
         """
-        self._check_open("as_tensor")
         base_va = self._reservation_of("as_tensor", va, nbytes)
         base = self._tensors.get(base_va)
         if base is None:
@@ -280,15 +225,6 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         """Block until the work before ``fence`` has completed."""
 
     @property
-    def num_pages(self) -> int:
-        """Live (created, not released) page handles."""
-        return len(self._page_map_count)
-
-    @property
-    def num_mappings(self) -> int:
-        return len(self._mappings)
-
-    @property
     def num_reservations(self) -> int:
         return len(self._reservations)
 
@@ -296,19 +232,12 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
     def reserved_bytes(self) -> int:
         return sum(self._reservations.values())
 
-    def mapped_handle(self, va: int) -> int | None:
-        """Handle mapped at ``va``, or None."""
-        return self._mappings.get(va)
-
     def close(self) -> None:
-        """Unmap every page, release every page and reservation (idempotent)."""
+        """Free the reservations that are left (the pages in them must be unmapped and released by
+        their owner first: the cache's mapper does) and tear the driver down (idempotent)."""
         if self._closed:
             return
         self._tensors.clear()
-        for va in list(self._mappings):
-            self.unmap(va)
-        for handle in list(self._page_map_count):
-            self.release(handle)
         for va, nbytes in list(self._reservations.items()):
             self.free_reservation(va, nbytes)
         self._close()

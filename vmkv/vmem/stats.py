@@ -8,7 +8,6 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from vmkv.kvcache.seqtable import check_count
-from vmkv.vmem.host_driver import HostDriver
 
 if TYPE_CHECKING:
     import torch
@@ -129,6 +128,12 @@ class VMemStatsMixin:
         page: its batch's wall time / the batch's pages."""
         return list(self.mapper.map_us), list(self.mapper.unmap_us)
 
+    def backend_samples(self) -> dict[str, list[float]]:
+        """:meth:`KVCache.backend_samples`: ``map_us`` and ``unmap_us`` of :meth:`map_latency_samples_us`
+        (counted by ``backend_stats()``' ``num_maps`` / ``num_unmaps``)."""
+        map_us, unmap_us = self.map_latency_samples_us()
+        return {"map_us": map_us, "unmap_us": unmap_us}
+
     def map_batch_samples(self) -> tuple[list[float], list[int]]:
         """Raw ``(batch wall time us, pages in the batch)`` of the most recent 100k map batches."""
         return list(self.mapper.map_batch_us), list(self.mapper.pages_per_batch)
@@ -152,7 +157,7 @@ class VMemStatsMixin:
                                      f"units, slot claims {slot.claimed}")
 
     def _warn_map_count(self, max_pages: int) -> None:
-        if not isinstance(self.driver, HostDriver):
+        if self.driver.name != "host":
             return
         try:
             with open("/proc/sys/vm/max_map_count") as f:

@@ -17,6 +17,7 @@ from vmkv.compare import alloc_sim, report
 from vmkv.compare.shapes import SHAPES, get_shape
 from vmkv.compare.workloads import LengthDist
 from vmkv.engine.args import parse_size
+from vmkv.kvcache.dtypes import MODEL_DTYPES, dtype_names
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def _size_list(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES), help="model shape")
-    p.add_argument("--dtype", default=None, help="KV dtype (bf16, fp16, fp32); default: the shape's")
+    p.add_argument("--dtype", default=None, choices=dtype_names(MODEL_DTYPES),
+                   help="KV dtype; default: the shape's")
     p.add_argument("--input-len", default="sharegpt-in", help="prompt length distribution (N, A..B, "
                    "lognormal:MEDIAN,SIGMA[,MIN,MAX], sharegpt-in)")
     p.add_argument("--output-len", default="sharegpt-out", help="output length distribution")

@@ -26,7 +26,7 @@ from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
 from vmkv.engine.args import option_choices, option_help, parse_size
-from vmkv.engine.config import CacheConfig
+from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="checkpoint path (HF dir or .gguf), or a random-weight shape "
                    f"({', '.join(SHAPES)}); default: the default model (SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", default=None, choices=ENGINE_DTYPES,
+                   help="model and KV dtype (default: auto, bf16 on CUDA, fp32 on CPU)")
     w = p.add_argument_group("workload (seeded; identical on every backend)")
     w.add_argument("--workload", default="random", choices=WORKLOAD_KINDS)
     w.add_argument("--num-requests", type=int, default=16)
@@ -73,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--driver", default=cc.driver, choices=option_choices("driver"), help=option_help("driver"))
     e.add_argument("--attention-impl", default=cc.attention_impl, choices=option_choices("attention_impl"),
                    help=option_help("attention_impl", "; given to the backends that have the option"))
+    e.add_argument("--lookahead-tokens", type=int, default=cc.lookahead_tokens, metavar="N",
+                   help=option_help("lookahead_tokens"))
+    e.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
+                   help=option_help("preallocate"))
     e.add_argument("--no-prefix-caching", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
@@ -102,7 +107,8 @@ def scenario_name(rate: float) -> str:
 
 #: engine_bench flag (argparse dest) -> the backend option it sets
 _BACKEND_FLAGS = {"block_size": "block_size", "page_size": "page_size_bytes", "layout": "layout",
-                  "driver": "driver", "attention_impl": "attention_impl"}
+                  "driver": "driver", "attention_impl": "attention_impl", "lookahead_tokens": "lookahead_tokens",
+                  "preallocate": "preallocate"}
 
 
 def backend_knobs(args) -> dict[str, object]:

@@ -119,40 +119,36 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
     return finished, start, time.perf_counter()
 
 
-def _backend_stats(kv_cache) -> dict:
-    """``kv_cache.backend_stats()`` (:class:`~vmkv.kvcache.KVCache`'s backend counters), plus the raw
-    map/unmap latency samples (us) of a backend that keeps them (vmem's ``map_latency_samples_us``;
-    the interface has counts and percentiles, not raw samples)."""
-    stats = dict(kv_cache.backend_stats())
-    samples = getattr(kv_cache, "map_latency_samples_us", None)
-    if "num_maps" in stats and callable(samples):
-        stats["map_us"], stats["unmap_us"] = (list(x) for x in samples())
-    return stats
+def _backend_snapshot(kv_cache) -> tuple[dict, dict[str, list[float]]]:
+    """``(kv_cache.backend_stats(), kv_cache.backend_samples())``: the backend's counters and its raw
+    per-event samples (vmem: ``map_us``/``unmap_us``; ``{}`` for a backend that keeps none)."""
+    return dict(kv_cache.backend_stats()), {k: list(v) for k, v in kv_cache.backend_samples().items()}
 
 
 def _counter_deltas(before: dict, after: dict) -> dict:
-    """``after`` (sample lists left out) with ``<counter>_run`` = after - before for every int
-    ``num_*`` counter: the measured run's share, warm-up excluded."""
-    out = {k: v for k, v in after.items() if k not in ("map_us", "unmap_us")}
+    """``after`` with ``<counter>_run`` = after - before for every int ``num_*`` counter: the measured
+    run's share, warm-up excluded."""
+    out = dict(after)
     for k, v in after.items():
         if k.startswith("num_") and isinstance(v, int) and not isinstance(v, bool):
             out[k + "_run"] = v - int(before.get(k, 0))
     return out
 
 
-def _vmm_delta(before: dict, after: dict) -> tuple[dict | None, dict]:
+def _vmm_delta(before: dict, after: dict, samples: dict[str, list[float]]) -> tuple[dict | None, dict]:
     """Map/unmap counts and latency summaries of the measured run (warm-up excluded) and the raw
-    samples apart; ``(None, {})`` for a backend that maps no pages (no ``num_maps`` counter)."""
+    samples apart (``samples``: :meth:`KVCache.backend_samples` after the run); ``(None, {})`` for a
+    backend that maps no pages (no ``num_maps`` counter)."""
     if "num_maps" not in after:
         return None, {}
     out = _counter_deltas(before, after)
     raw = {}
     for key, count in (("map_us", "num_maps"), ("unmap_us", "num_unmaps")):
         new = out[count + "_run"]
-        samples = after.get(key, [])
-        samples = samples[len(samples) - min(new, len(samples)):] if new > 0 else []
-        raw[key] = [round(x, 3) for x in samples]
-        out[key] = summarize(samples)
+        run = samples.get(key, [])
+        run = run[len(run) - min(new, len(run)):] if new > 0 else []
+        raw[key] = [round(x, 3) for x in run]
+        out[key] = summarize(run)
     return out, raw
 
 
@@ -193,7 +189,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         torch.cuda.reset_peak_memory_stats(cuda_device)
 
     st0 = engine.get_stats()
-    stats0 = _backend_stats(engine.kv_cache)
+    stats0, _ = _backend_snapshot(engine.kv_cache)
     fwd0 = getattr(engine.runner, "forward_time_s_total", 0.0)
     pre0 = getattr(st0, "prefetch_time_s_total", 0.0)
     sampler = _Sampler(engine, time.perf_counter(), st0.alloc_time_s_total, cuda_device)
@@ -208,7 +204,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
     outputs, start, end = _drive(engine, requests, temperature, online=not spec.is_offline, sampler=sampler,
                                  on_finish=on_finish)
     st1 = engine.get_stats()
-    stats1 = _backend_stats(engine.kv_cache)
+    stats1, samples1 = _backend_snapshot(engine.kv_cache)
     by_id = {r.request_id: r for r in requests}
     records = [_record(outputs[r.request_id], r) for r in requests]
     mismatches = sum(1 for rec in records if rec.output_len != by_id[rec.request_id].output_len)
@@ -246,7 +242,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "device_used_bytes_peak": int(max(cols["device_used_bytes"], default=0)),
         "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
     }
-    vmm, vmm_raw = _vmm_delta(stats0, stats1)
+    vmm, vmm_raw = _vmm_delta(stats0, stats1, samples1)
     alloc_steps = np.asarray(cols["alloc_s"], dtype=np.float64) * 1e6
     allocation = {
         "alloc_time_s": alloc_s,

@@ -33,10 +33,13 @@ import torch.nn.functional as F
 from vmkv.kernels import reference as ref
 from vmkv.kernels.decode_attention import choose_num_splits, decode_attention, default_launch
 from vmkv.kernels.prefill_attention import default_config, prefill_attention
+from vmkv.kvcache.spec import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: the half-precision dtypes the kernels are benchmarked in: a deliberate subset of the one name list
+#: (:data:`vmkv.kvcache.dtypes.DTYPE_NAMES`), mapped to torch through it
+DTYPES = {name: TORCH_DTYPES[name] for name in ("bf16", "fp16")}
 # (block_n, num_warps, num_stages) for decode; (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill
 DECODE_TUNE = [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
                (128, 8, 2), (128, 8, 3)]

@@ -12,22 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from vmkv.kvcache import KVCacheSpec
+from vmkv.kvcache.dtypes import MODEL_DTYPES
+from vmkv.kvcache.spec import torch_dtype
 from vmkv.model.config import SHAPES as _MODEL_SHAPES
 
 __all__ = ["ModelShape", "SHAPES", "get_shape", "parse_dtype"]
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``/``"fp16"``/``"fp32"`` (and long names) to a torch dtype.  Raises ValueError."""
+    """``"bf16"``/``"fp16"``/``"fp32"`` (and long names) to a torch dtype: a name of the dtypes a model
+    runs in (:data:`vmkv.kvcache.dtypes.MODEL_DTYPES`).  Raises ValueError."""
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return _DTYPES[str(name).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+    return torch_dtype(name, MODEL_DTYPES)
 
 
 @dataclass(frozen=True)

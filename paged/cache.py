@@ -29,6 +29,7 @@ from vmkv.kvcache.records import AttentionMetadata, StepSeq
 from vmkv.kvcache.seqtable import SeqState
 from vmkv.kvcache.spec import KVCacheSpec
 from vmkv.paged.block_manager import BlockManager
+from vmkv.paged.options import PagedOptions
 
 __all__ = ["PagedKVCache", "TooManySequencesError"]
 
@@ -44,7 +45,7 @@ class PagedKVCache(KVCacheCore):
         max_num_seqs: live sequences at most.
         max_model_len: positions per sequence at most.
         memory_bytes: KV budget; ``num_blocks = memory_bytes // (block_size * spec.bytes_per_token)``.
-        block_size: tokens per block (> 0, default 16).
+        block_size: tokens per block (``PagedOptions``' rule: a power of two in [1, 1024], default 16).
         enable_prefix_caching: share identical full prompt blocks across sequences.
     Raises:
         ValueError: a bad argument, or ``memory_bytes`` too small for one block.
@@ -57,8 +58,7 @@ class PagedKVCache(KVCacheCore):
                  memory_bytes: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         super().__init__(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          memory_bytes=memory_bytes)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        PagedOptions.check_field("block_size", block_size, owner="PagedKVCache")
         self.block_size = self.unit_tokens = block_size
         self.block_bytes = block_size * spec.bytes_per_token
         num_blocks = self.memory_bytes // self.block_bytes

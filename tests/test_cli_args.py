@@ -23,15 +23,15 @@ ENGINE_FLAGS = [
     "--random-weights", "tiny", "--seed", "7", "--threads", "1",
     "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "256",
     "--memory-bytes", "64MiB", "--block-size", "32", "--page-size-bytes", "128KiB",
-    "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa",
-    "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+    "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa", "--lookahead-tokens", "32",
+    "--preallocate", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
 ]
 EXPECTED_KWARGS = dict(
     model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
     max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256, memory_bytes=64 << 20,
     gpu_memory_utilization=CacheConfig().gpu_memory_utilization, block_size=32,
     page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
-    enable_prefix_caching=False, enable_chunked_prefill=False,
+    lookahead_tokens=32, preallocate=True, enable_prefix_caching=False, enable_chunked_prefill=False,
 )
 
 
@@ -78,7 +78,8 @@ def test_defaults_come_from_the_configs():
         max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
         memory_bytes=cc.memory_bytes, gpu_memory_utilization=cc.gpu_memory_utilization,
         block_size=cc.block_size, page_size_bytes=cc.page_size_bytes, layout=cc.layout,
-        driver=cc.driver, attention_impl=cc.attention_impl, enable_prefix_caching=cc.enable_prefix_caching,
+        driver=cc.driver, attention_impl=cc.attention_impl, lookahead_tokens=cc.lookahead_tokens,
+        preallocate=cc.preallocate, enable_prefix_caching=cc.enable_prefix_caching,
         enable_chunked_prefill=sc.enable_chunked_prefill)
     assert p.parse_args([]).threads is None           # torch's own thread count is left alone
     # the kwargs build a valid config as they are
@@ -96,7 +97,7 @@ def test_both_clis_take_the_same_engine_flags(module, extra):
     # the typed options the engine hands to create_kv_cache carry every backend flag
     assert cfg.cache.backend_options() == VMemOptions(
         driver="host", layout="per_layer", page_size_bytes=128 << 10, enable_prefix_caching=False,
-        attention_impl="sdpa")
+        attention_impl="sdpa", lookahead_tokens=32, preallocate=True)
 
 
 @pytest.mark.parametrize("module, extra", [("vmkv.server.cli", []), ("vmkv.engine.cli", ["--prompt", "x"])])
@@ -145,7 +146,12 @@ def test_backend_option_choices_are_the_options_modules_name_lists(module):
     a = p.parse_args(["--prompt", "x"] if module == "vmkv.engine.cli" else [])
     want = VMemOptions()
     assert (a.layout, a.driver, a.attention_impl) == (want.layout, want.driver, want.attention_impl)
+    assert (a.lookahead_tokens, a.preallocate) == (want.lookahead_tokens, want.preallocate)
     assert a.block_size == PagedOptions().block_size
+    # ... and so is the help line
+    helps = {a.dest: a.help for a in p._actions}
+    for name in ("lookahead_tokens", "preallocate"):
+        assert helps[name].startswith(VMemOptions.field_help(name))
 
 
 def test_a_name_added_to_a_name_list_is_a_choice(monkeypatch):
@@ -204,6 +210,53 @@ def test_serve_refuses_a_vmem_attention_impl_on_paged(capsys):
                                                   "--backend", "paged", "--attention-impl", "sdpa"])
     assert run(args) == 2
     assert "attention_impl='sdpa' is an option of the vmem backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["vmkv.server.cli", "vmkv.engine.cli"])
+def test_every_backend_option_has_an_engine_flag(module):
+    """Each field of each backend's options class reaches ``engine_kwargs`` (and so CacheConfig)."""
+    from vmkv.kvcache.registry import BACKENDS
+
+    extra = ["--prompt", "x"] if module == "vmkv.engine.cli" else []
+    kw = engine_kwargs(_parser(module).parse_args(extra))
+    fields = {f for b in BACKENDS for f in backend_options_class(b).field_names()}
+    assert fields <= set(kw)
+
+
+@pytest.mark.parametrize("module", ["vmkv.server.cli", "vmkv.engine.cli"])
+def test_lookahead_and_preallocate_reach_the_vmem_cache_options(module):
+    cfg = _engine_config(module, ["--backend", "vmem", "--lookahead-tokens", "48", "--preallocate"])
+    assert cfg.cache.backend_options() == VMemOptions(lookahead_tokens=48, preallocate=True)
+    assert _engine_config(module, ["--backend", "vmem", "--no-preallocate"]).cache.backend_options() == VMemOptions()
+    # a paged run ignores them, like the other vmem layout options
+    assert _engine_config(module, ["--lookahead-tokens", "48", "--preallocate"]).cache.backend_options() == \
+        PagedOptions()
+    with pytest.raises(ValueError, match=r"^CacheConfig.lookahead_tokens must be an int >= 0, got -1$"):
+        _engine_config(module, ["--backend", "vmem", "--lookahead-tokens", "-1"])
+
+
+def test_generate_lookahead_and_preallocate_reach_the_vmem_cache(capsys):
+    """`vmkv generate --backend vmem --lookahead-tokens N --preallocate`: the cache is built with them
+    (the pool's pages exist before the first request) and greedy decoding is unchanged."""
+    from vmkv.engine.llm_engine import LLMEngine
+
+    kw = dict(kv_backend="vmem", driver="host", memory_bytes=1 << 20, seed=2)
+    for preallocate in (False, True):
+        engine = LLMEngine.from_args(random_weights="tiny", device="cpu", dtype="float32", lookahead_tokens=16,
+                                     preallocate=preallocate, **kw)
+        try:
+            assert engine.kv_cache.lookahead_tokens == 16
+            assert (engine.kv_cache.backend_stats()["num_pages_created"] > 0) is preallocate
+        finally:
+            engine.close()
+    want = _greedy_ids([1, 2, 3], 5, **kw)
+    from vmkv.cli import main
+
+    assert main(["generate", "--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--backend",
+                 "vmem", "--driver", "host", "--memory-bytes", "1MiB", "--seed", "2", "--lookahead-tokens", "16",
+                 "--preallocate", "--max-tokens", "5", "--ignore-eos", "--no-stream", "--prompt-token-ids",
+                 "1,2,3"]) == 0
+    assert capsys.readouterr().out == ",".join(map(str, want)) + "\n"
 
 
 # ------------------------------------------------------------------ generate on random weights

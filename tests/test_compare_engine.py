@@ -142,6 +142,21 @@ def test_defaults_are_the_options_classes(monkeypatch, tmp_path):
          "page_size_bytes": v.page_size_bytes, "enable_prefix_caching": v.enable_prefix_caching}
     assert (knobs["paged"]["block_size"], knobs["paged"]["enable_prefix_caching"]) == \
         (pg.block_size, pg.enable_prefix_caching)
+    # every vmem option reaches the vmem run, every paged option the paged run
+    assert {k: knobs["vmem"][k] for k in v.field_names()} == v.as_kwargs()
+    assert {k: knobs["paged"][k] for k in pg.field_names()} == pg.as_kwargs()
+
+
+def test_lookahead_and_preallocate_reach_the_vmem_run_only(monkeypatch, tmp_path):
+    from vmkv.engine.config import EngineConfig
+    from vmkv.vmem.options import VMemOptions
+
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--lookahead-tokens", "32", "--preallocate"])
+    assert rc == 0
+    assert (knobs["vmem"]["lookahead_tokens"], knobs["vmem"]["preallocate"]) == (32, True)
+    assert not {"lookahead_tokens", "preallocate"} & set(knobs["paged"])
+    opts = EngineConfig.from_args(kv_backend="vmem", **knobs["vmem"]).cache.backend_options()
+    assert (opts.lookahead_tokens, opts.preallocate) == (32, True) and isinstance(opts, VMemOptions)
 
 
 def test_a_vmem_option_without_a_vmem_run_is_an_error(monkeypatch, tmp_path, capsys):
@@ -154,7 +169,47 @@ def test_a_vmem_option_without_a_vmem_run_is_an_error(monkeypatch, tmp_path, cap
     assert rc == 0 and set(knobs) == {"paged"}
 
 
+def test_lookahead_without_a_vmem_run_is_an_error(monkeypatch, tmp_path, capsys):
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--backends", "paged", "--lookahead-tokens", "8"])
+    assert rc == 2 and knobs == {}
+    assert "--lookahead-tokens is an option of the vmem backend" in capsys.readouterr().out
+
+
 def test_an_unknown_backend_is_an_error(monkeypatch, tmp_path, capsys):
     rc, knobs = _calls_for(monkeypatch, tmp_path, ["--backends", "paged,blocks"])
     assert rc == 2 and knobs == {}
     assert "unknown KV backend 'blocks'" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the worker reads the cache through the interface
+def test_worker_reads_backend_stats_and_samples_through_the_interface():
+    """The worker takes counters from ``KVCache.backend_stats()`` and raw samples from
+    ``backend_samples()``: no ``getattr``/``hasattr`` on the cache, and the run's samples are the
+    last ``num_maps_run`` of them."""
+    import ast
+    import inspect
+
+    import torch
+
+    from vmkv.compare import engine_worker as w
+    from vmkv.kvcache import KVCacheSpec, create_kv_cache
+
+    for node in ast.walk(ast.parse(inspect.getsource(w))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr"):
+            assert "kv_cache" not in ast.unparse(node.args[0]), ast.unparse(node)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    limits = dict(max_num_seqs=2, max_model_len=256, memory_bytes=1 << 20)
+    with create_kv_cache("vmem", spec, **limits, driver="host") as cache:
+        cache.allocate(1, 10)                     # warm-up
+        stats0, _ = w._backend_snapshot(cache)
+        cache.allocate(2, 200)
+        stats1, samples1 = w._backend_snapshot(cache)
+        vmm, raw = w._vmm_delta(stats0, stats1, samples1)
+    new = stats1["num_maps"] - stats0["num_maps"]
+    assert new > 0 and vmm["num_maps_run"] == new == vmm["map_us"]["n"]
+    assert raw["map_us"] == [round(x, 3) for x in samples1["map_us"][-new:]] and raw["unmap_us"] == []
+    assert "map_us" not in stats1                 # counters and samples stay apart
+    with create_kv_cache("paged", spec, **limits) as cache:
+        stats, samples = w._backend_snapshot(cache)
+        assert samples == {} and w._vmm_delta(stats, stats, samples) == (None, {})
+        assert w._counter_deltas(stats, stats)["num_blocks_run"] == 0

@@ -497,6 +497,26 @@ def test_backend_stats_is_a_dict_of_plain_values(cache, gen):
     assert stats["num_cow_copies"] == cache.usage().num_cow_copies
 
 
+def test_backend_samples_are_lists_of_floats_counted_by_backend_stats(cache, gen):
+    """``backend_samples()``: raw samples by name, each list no longer than its ``num_*`` counter in
+    ``backend_stats()`` (vmem: one ``map_us`` per mapped page; paged keeps none)."""
+    cache.allocate(1, 5)
+    write_all_layers(cache, 1, 0, 5, gen)
+    cache.extend(1, 40)
+    samples, stats = cache.backend_samples(), cache.backend_stats()
+    assert isinstance(samples, dict)
+    assert all(isinstance(k, str) and isinstance(v, list) for k, v in samples.items())
+    assert all(isinstance(x, float) for v in samples.values() for x in v)
+    counters = {"map_us": "num_maps", "unmap_us": "num_unmaps"}
+    assert set(samples) <= set(counters)
+    for key, values in samples.items():
+        assert len(values) <= stats[counters[key]]
+    if "num_maps" in stats:
+        assert len(samples["map_us"]) == stats["num_maps"] > 0
+    else:
+        assert samples == {}
+
+
 # ----------------------------------------------------------------------------- prefix caching
 def _prefix_unit(cache) -> int:
     unit = cache.usage().unit_tokens

@@ -82,6 +82,15 @@ def test_bad_construction():
         PagedKVCache(SPEC, max_num_seqs=1, max_model_len=8, memory_bytes=2047, block_size=BS)
     with pytest.raises(ValueError, match="block_size"):
         PagedKVCache(SPEC, max_num_seqs=1, max_model_len=8, memory_bytes=1 << 20, block_size=0)
+    # the constructor's rule is PagedOptions' (a power of two in [1, MAX_BLOCK_SIZE]), not its own
+    from vmkv.paged.options import MAX_BLOCK_SIZE, PagedOptions
+
+    for bad in (24, 2 * MAX_BLOCK_SIZE, True, 16.0):
+        with pytest.raises(ValueError) as e:
+            PagedKVCache(SPEC, max_num_seqs=1, max_model_len=8, memory_bytes=1 << 30, block_size=bad)
+        with pytest.raises(ValueError) as want:
+            PagedOptions(block_size=bad)
+        assert str(e.value) == str(want.value).replace("PagedOptions.", "PagedKVCache.")
 
 
 # ---------------------------------------------------------------------- lifecycle + data

@@ -156,3 +156,37 @@ def test_cache_config_defaults_and_ranges_come_from_the_options_classes():
     # ... but an attention implementation the backend does not have is refused
     with pytest.raises(ValueError, match="the paged backend has no attention_impl; choose --backend vmem"):
         CacheConfig(backend="paged", attention_impl="torch")
+
+
+def test_cache_config_has_every_backend_option():
+    """Every field of every backend's options class is a CacheConfig field (BACKEND_OPTION_FIELDS) with
+    the options class's default, so ``backend_options()`` can set each of them."""
+    from vmkv.engine.config import BACKEND_OPTION_FIELDS
+
+    cc = CacheConfig()
+    for backend in BACKENDS:
+        cls = backend_options_class(backend)
+        assert set(cls.field_names()) <= set(BACKEND_OPTION_FIELDS), backend
+        for name in cls.field_names():
+            assert getattr(cc, name) == cls.field_default(name), name
+
+
+def test_cache_config_lookahead_and_preallocate():
+    v = VMemOptions()
+    assert (CacheConfig().lookahead_tokens, CacheConfig().preallocate) == (v.lookahead_tokens, v.preallocate)
+    assert CacheConfig(backend="vmem", lookahead_tokens=8, preallocate=True).backend_options() == \
+        VMemOptions(lookahead_tokens=8, preallocate=True)
+    # ranges are the options class's, checked on either backend; the paged backend ignores the values
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match=r"^CacheConfig.lookahead_tokens must be an int >= 0, got -1$"):
+            CacheConfig(backend=backend, lookahead_tokens=-1)
+        with pytest.raises(ValueError, match=r"^CacheConfig.preallocate must be a bool, got 1$"):
+            CacheConfig(backend=backend, preallocate=1)
+    assert CacheConfig(backend="paged", lookahead_tokens=8, preallocate=True).backend_options() == PagedOptions()
+    # and they reach the cache the registry builds
+    cache = create_kv_cache("vmem", SPEC, **LIMITS, options=CacheConfig(
+        backend="vmem", driver="host", lookahead_tokens=8, preallocate=True).backend_options())
+    try:
+        assert cache.lookahead_tokens == 8 and cache.backend_stats()["num_pages_created"] > 0
+    finally:
+        cache.close()

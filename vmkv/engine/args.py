@@ -24,7 +24,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from vmkv.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from vmkv.engine.config import ENGINE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
 
 __all__ = ["parse_size", "add_engine_args", "engine_kwargs", "apply_threads", "option_choices",
@@ -105,7 +105,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine options to ``parser`` in two groups: "model" (``--model --backend --device
     --dtype --random-weights --seed --threads``) and "KV cache and scheduler" (``--max-num-seqs
     --max-num-batched-tokens --max-model-len --memory-bytes | --gpu-memory-utilization --block-size
-    --page-size-bytes --layout --driver --attention-impl --[no-]enable-prefix-caching
+    --page-size-bytes --layout --driver --attention-impl --lookahead-tokens --[no-]preallocate
+    --[no-]enable-prefix-caching
     --[no-]enable-chunked-prefill``).
 
     Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`; the
@@ -121,8 +122,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=backend_choices(), default=cc.backend,
                    help="KV-cache backend (default: %(default)s)")
     g.add_argument("--device", default=ec.device, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=ec.dtype,
-                   help="float32, float16, bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", default=ec.dtype, choices=ENGINE_DTYPES,
+                   help="model and KV dtype (default: auto, bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--random-weights", default=ec.random_weights, metavar="SHAPE",
                    help="seeded random weights of a named shape (tiny, smollm2-135m, llama3-8b, ...) "
                         "instead of a checkpoint; such a model has no tokenizer")
@@ -152,6 +153,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--driver", choices=option_choices("driver"), default=cc.driver, help=option_help("driver"))
     g.add_argument("--attention-impl", choices=option_choices("attention_impl"), default=cc.attention_impl,
                    help=option_help("attention_impl", "; other backends refuse a value but the default"))
+    g.add_argument("--lookahead-tokens", type=int, default=cc.lookahead_tokens, metavar="N",
+                   help=option_help("lookahead_tokens"))
+    g.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
+                   help=option_help("preallocate"))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cc.enable_prefix_caching, help=option_help("enable_prefix_caching"))
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -172,7 +177,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
-        driver=args.driver, attention_impl=args.attention_impl,
+        driver=args.driver, attention_impl=args.attention_impl, lookahead_tokens=args.lookahead_tokens,
+        preallocate=args.preallocate,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
     )
 

@@ -12,11 +12,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vmkv.kvcache.dtypes import AUTO_DTYPE, MODEL_DTYPES, dtype_names
 from vmkv.kvcache.options import BackendOptions
 from vmkv.kvcache.registry import BACKENDS, backend_options_class, option_backends
 
 __all__ = ["CacheConfig", "SchedulerConfig", "EngineConfig", "DEFAULT_CPU_KV_MEMORY_BYTES",
-           "DEFAULT_MAX_MODEL_LEN", "DEFAULT_CUDA_PREFETCH_TOKENS"]
+           "DEFAULT_MAX_MODEL_LEN", "DEFAULT_CUDA_PREFETCH_TOKENS", "ENGINE_DTYPES"]
 
 #: KV budget on CPU when ``memory_bytes`` is not given (a fixed, modest amount)
 DEFAULT_CPU_KV_MEMORY_BYTES = 256 * 1024 * 1024
@@ -25,7 +26,9 @@ DEFAULT_MAX_MODEL_LEN = 4096
 #: ``CacheConfig.prefetch_tokens`` on CUDA when not given
 DEFAULT_CUDA_PREFETCH_TOKENS = 16
 
-_DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float", "auto")
+#: ``EngineConfig.dtype`` values (the ``--dtype`` choices): the names of the dtypes a model runs in
+#: (:mod:`vmkv.kvcache.dtypes`, the one name list) and ``"auto"``
+ENGINE_DTYPES = dtype_names(MODEL_DTYPES) + (AUTO_DTYPE,)
 
 
 def _positive_int(owner: str, name: str, value: Any, allow_none: bool = False) -> None:
@@ -44,7 +47,7 @@ def _option_default(name: str):
 #: CacheConfig fields that are backend options (the backends' options classes own their defaults,
 #: ranges and name lists)
 BACKEND_OPTION_FIELDS = ("block_size", "page_size_bytes", "layout", "driver", "enable_prefix_caching",
-                         "attention_impl")
+                         "attention_impl", "lookahead_tokens", "preallocate")
 #: backend options a backend without them refuses when set (running another attention kernel than the
 #: one asked for would mislabel a measurement); the others are ignored by a backend without them, so one
 #: set of knobs can drive both backends
@@ -69,6 +72,10 @@ class CacheConfig:
         attention_impl: vmem backend: attention on slot views, ``"auto"``, ``"triton"``, ``"torch"``
             or ``"sdpa"`` (``ATTENTION_IMPLS``); a backend without the option refuses a value other
             than the default.
+        lookahead_tokens: vmem backend: also map (best effort) the pages of this many positions past a
+            sequence's length at every allocate/extend; those pages are claimed by the sequence, unlike
+            the ones ``prefetch_tokens`` maps, which stay reclaimable.
+        preallocate: vmem backend: create the whole page pool up front instead of on demand.
         prefetch_tokens: after enqueuing a step's forward, ask the cache to back this many
             positions past each sampling sequence's length (``KVCache.prefetch``; the vmem backend
             maps pages while the GPU computes); ``None``: 16 on CUDA, 0 on CPU (exact accounting).
@@ -89,6 +96,8 @@ class CacheConfig:
     driver: str = _option_default("driver")
     enable_prefix_caching: bool = _option_default("enable_prefix_caching")
     attention_impl: str = _option_default("attention_impl")
+    lookahead_tokens: int = _option_default("lookahead_tokens")
+    preallocate: bool = _option_default("preallocate")
     prefetch_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -186,8 +195,9 @@ class EngineConfig:
     random_weights: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {list(_DTYPES)} or None, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {list(ENGINE_DTYPES)} or None, "
+                             f"got {self.dtype!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
         if not isinstance(self.cache, CacheConfig):

@@ -30,7 +30,8 @@ from vmkv.kvcache.errors import (
     UnknownSequenceError,
 )
 from vmkv.kvcache.records import AttentionMetadata, CacheUsage, StepSeq
-from vmkv.kvcache.spec import DTYPE_NAMES, KVCacheSpec
+from vmkv.kvcache.dtypes import AUTO_DTYPE, DTYPE_NAMES, MODEL_DTYPES
+from vmkv.kvcache.spec import TORCH_DTYPES, KVCacheSpec, torch_dtype
 
 __all__ = [
     "KVCacheSpec",
@@ -44,7 +45,12 @@ __all__ = [
     "DuplicateSequenceError",
     "TooManySequencesError",
     "SlotsExhaustedError",
+    # the dtype names (vmkv.kvcache.dtypes), re-exported for the model layer, which imports only this module
     "DTYPE_NAMES",
+    "MODEL_DTYPES",
+    "AUTO_DTYPE",
+    "TORCH_DTYPES",
+    "torch_dtype",
 ]
 
 
@@ -200,6 +206,13 @@ class KVCache(abc.ABC):
     def backend_stats(self) -> dict:
         """Backend-specific counters for benchmarks and metrics (JSON-serialisable values): vmem
         reports its map/unmap counts and latencies, paged its block-pool counts.  Default ``{}``."""
+        return {}
+
+    def backend_samples(self) -> dict[str, list[float]]:
+        """Raw per-event samples behind :meth:`backend_stats`' summaries, oldest first, by name with a
+        unit suffix (vmem: ``map_us``, per page, and ``unmap_us``: the most recent of each map and
+        unmap).  The ``num_*`` counter of :meth:`backend_stats` counts the events of each list (a list
+        may keep only the most recent ones).  Default ``{}`` (a backend that keeps no samples)."""
         return {}
 
     @abc.abstractmethod

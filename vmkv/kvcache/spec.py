@@ -6,12 +6,24 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVCacheSpec", "DTYPE_NAMES"]
+from vmkv.kvcache.dtypes import DTYPE_NAMES, canonical_dtype
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-                "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float64": torch.float64}
+__all__ = ["KVCacheSpec", "TORCH_DTYPES", "torch_dtype"]
+
+#: every accepted dtype name (:data:`vmkv.kvcache.dtypes.DTYPE_NAMES`) -> its torch dtype
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, canon) for name, canon in DTYPE_NAMES.items()}
+_SUPPORTED_DTYPES = tuple(dict.fromkeys(TORCH_DTYPES.values()))
+
+
+def torch_dtype(name: str, allowed: tuple[str, ...] | None = None) -> torch.dtype:
+    """The torch dtype of the name ``name`` (``"bf16"`` -> ``torch.bfloat16``; case-insensitive).
+
+    Args:
+        allowed: canonical names accepted (e.g. :data:`vmkv.kvcache.dtypes.MODEL_DTYPES`); all when ``None``.
+    Raises:
+        ValueError: an unknown name or one outside ``allowed`` (the message lists the valid names).
+    """
+    return getattr(torch, canonical_dtype(name, allowed))
 
 
 @dataclass(frozen=True)
@@ -39,9 +51,9 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
             if self.dtype not in DTYPE_NAMES:
-                raise ValueError(f"KVCacheSpec.dtype must be one of {sorted(DTYPE_NAMES)} or a torch "
+                raise ValueError(f"KVCacheSpec.dtype must be one of {list(DTYPE_NAMES)} or a torch "
                                  f"dtype, got {self.dtype!r}")
-            object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
+            object.__setattr__(self, "dtype", TORCH_DTYPES[self.dtype])
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

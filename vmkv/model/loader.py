@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from vmkv.kvcache.base import AUTO_DTYPE, MODEL_DTYPES, torch_dtype
 from vmkv.model.config import SHAPES, ModelConfig
 from vmkv.model.llama import LlamaForCausalLM
 
@@ -25,9 +26,8 @@ __all__ = ["LoadedModel", "load_model", "random_model", "resolve_device", "resol
 #: (tensors or shards), ``"tokenizer"``
 ProgressFn = Callable[[str, int, int], None]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+#: the torch dtypes a model runs in (``vmkv.kvcache.dtypes.MODEL_DTYPES``)
+_MODEL_TORCH_DTYPES = tuple(getattr(torch, name) for name in MODEL_DTYPES)
 
 
 @dataclass
@@ -73,21 +73,21 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """``None``/``"auto"`` -> bfloat16 on CUDA, float32 on CPU; strings like ``"bf16"`` accepted.
+    """``None``/``"auto"`` -> bfloat16 on CUDA, float32 on CPU; names of ``MODEL_DTYPES`` such as
+    ``"bf16"`` accepted (the one name list, :mod:`vmkv.kvcache.dtypes`).
 
     Raises:
-        ValueError: an unknown dtype name or a non-float dtype.
+        ValueError: an unknown dtype name or a dtype a model does not run in.
     """
-    if dtype is None or dtype == "auto":
+    if dtype is None or dtype == AUTO_DTYPE:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
         try:
-            return _DTYPES[dtype.lower()]
-        except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, "
-                             f"{', '.join(sorted(set(_DTYPES)))}") from None
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+            return torch_dtype(dtype, MODEL_DTYPES)
+        except ValueError as e:
+            raise ValueError(f"{e} or {AUTO_DTYPE!r}") from None
+    if dtype not in _MODEL_TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {dtype}")
     return dtype
 
 

@@ -137,6 +137,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
             logger.info("vmem prefix caching disabled: a %d-byte page holds %s tokens (not integral)",
                         page, self.layout.tokens_per_page)
         self._prefetch_ns = 0
+        self._shared_used_bytes = 0     # bytes counted twice in the sum of seq_len (stats.py)
         self._init_core()
         self._warn_map_count(max_pages)
         logger.info("vmem cache: %s, driver %s, %d pages max", self.layout.describe(), drv.name, max_pages)
@@ -169,8 +170,12 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
         slot, num_units, hit_pages = room.payload
+        table = self.mapper.table
+        shared = sum(self.layout.unit_used_bytes(n, u) for u, pages in enumerate(hit_pages)
+                     for p in pages if table.num_claimed(p))
         with out_of_memory_is_full(self.driver, n):
             self.mapper.occupy(slot, seq_id, num_units, hit_pages)
+        self._shared_used_bytes += shared
         self._map_ahead(slot, n)
         return slot, None
 
@@ -195,9 +200,11 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _grow(self, s: SeqState, new_len: int, room: Room) -> list:
         num_units, cow = room.payload
+        shared = self._shared_bytes_of(s.units, cow, s.seq_len)
         with out_of_memory_is_full(self.driver, new_len - s.seq_len):
             pairs = self.mapper.grow(s.units, num_units, cow,
                                      copy_below_bytes=s.seq_len * self.layout.row_token_bytes)
+        self._shared_used_bytes -= shared
         self._map_ahead(s.units, new_len)
         return pairs
 
@@ -205,10 +212,13 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         num_units = self.layout.num_units(parent.seq_len)
         slot = pick_fork_slot(self.mapper, parent.units, num_units)
         self.mapper.share(slot, parent.units, child_id, num_units)
+        self._shared_used_bytes += (parent.seq_len * self.layout.row_token_bytes
+                                    * self.layout.pages_per_unit)
         self._map_ahead(slot, parent.seq_len)
         return slot, None
 
     def _release(self, s: SeqState) -> None:
+        self._shared_used_bytes -= self._shared_bytes_of(s.units, range(s.units.claimed), s.seq_len)
         self.mapper.vacate(s.units)
 
     def _forget_unit(self, s: SeqState, u: int) -> None:
@@ -243,7 +253,9 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         pairs = []
         with out_of_memory_is_full(self.driver, 0):
             for s, units in targets:
+                shared = self._shared_bytes_of(s.units, units, s.seq_len, res)
                 pairs += self.mapper.make_writable(s.units, units, res)
+                self._shared_used_bytes -= shared
         return pairs
 
     def copy_units(self, pairs: Sequence[tuple]) -> None:

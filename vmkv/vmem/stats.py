@@ -79,7 +79,41 @@ class VMemStatsMixin:
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 
+    # ------------------------------------------------------------------ usage counters
+    # allocated pages are the page table's counter; used bytes are every sequence's bytes
+    # (sum of seq_len, the core's counter) less the bytes counted twice: a page claimed by k
+    # slots counts k - 1 times extra.  A shared page's content cannot change while it is shared
+    # (a write or growth into it copies it first), so what was added when it got shared is
+    # exactly what is taken back when a claim on it goes.
+    def _shared_bytes_of(self, slot, units, num_tokens: int, reservations=None) -> int:
+        """Bytes of the claimed mappings among ``units`` of ``slot`` whose page another slot also
+        claims (each such mapping adds its page's used bytes to the double count)."""
+        table, res = self.mapper.table, reservations
+        total = 0
+        for u in units:
+            if u >= slot.claimed:
+                continue
+            used = self.layout.unit_used_bytes(num_tokens, u)
+            pages = slot.units.get(u, ())
+            for r in (range(len(pages)) if res is None else res):
+                if pages[r] is not None and table.num_claimed(pages[r]) >= 2:
+                    total += used
+        return total
+
     def _memory_usage(self) -> dict:
+        """O(1): counters kept by the operations (checked against :meth:`_usage_walk`)."""
+        page = self.layout.page_size_bytes
+        allocated = self.mapper.table.num_claimed_pages * page
+        used = (self.seqs.num_used_tokens * self.layout.row_token_bytes * self.layout.pages_per_unit
+                - self._shared_used_bytes)
+        return dict(allocated_bytes=allocated, waste_bytes=allocated - used,
+                    capacity_bytes=self.pool.max_pages * page,
+                    mapped_bytes=self.mapper.num_mapped_pages() * page,
+                    reserved_bytes=self.layout.num_reservations * self.layout.reservation_bytes,
+                    free_tokens=self._free_tokens())
+
+    def _usage_walk(self) -> tuple[int, int]:
+        """``(allocated_bytes, waste_bytes)`` by a walk over every claimed unit."""
         page = self.layout.page_size_bytes
         used: dict[int, int] = {}
         for seq in self.seqs.values():
@@ -90,11 +124,14 @@ class VMemStatsMixin:
                     if used.get(p, -1) < b:
                         used[p] = b
         allocated = len(used) * page
-        return dict(allocated_bytes=allocated, waste_bytes=allocated - sum(used.values()),
-                    capacity_bytes=self.pool.max_pages * page,
-                    mapped_bytes=self.mapper.num_mapped_pages() * page,
-                    reserved_bytes=self.layout.num_reservations * self.layout.reservation_bytes,
-                    free_tokens=self._free_tokens())
+        return allocated, allocated - sum(used.values())
+
+    def _check_usage(self) -> None:
+        counted = self._memory_usage()
+        walked = self._usage_walk()
+        if (counted["allocated_bytes"], counted["waste_bytes"]) != walked:
+            raise AssertionError(f"usage counters (allocated, waste) = ({counted['allocated_bytes']}, "
+                                 f"{counted['waste_bytes']}) bytes, a walk over the units gives {walked}")
 
     def backend_stats(self) -> dict:
         """Map/unmap counts and latency (us, p50/p99), reclamation, copy-on-write and the total time
@@ -140,6 +177,7 @@ class VMemStatsMixin:
 
     def _check_units(self) -> None:
         self.mapper.check_integrity()
+        self._check_usage()
         unbacked = self.layout.unbacked_anchors(self.driver, self.mapper.base_tensors)
         if unbacked:
             raise AssertionError(f"kernel launches would receive unbacked addresses {unbacked}")

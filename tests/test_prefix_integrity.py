@@ -21,6 +21,7 @@ from vmkv.kvcache.prefix import (
     PrefixChain,
     PrefixIndex,
     encode_extra_key,
+    extra_key_digest,
     hash_unit,
     unit_keys,
 )
@@ -45,8 +46,8 @@ def test_hash_is_sha256_of_an_unambiguous_encoding():
     keys = unit_keys([1, 2, 3, 4, 5], 2, extra_key="t")
     assert len(keys) == 2 and all(len(k.hash) == HASH_BYTES == 32 for k in keys)
     assert keys[0].token_ids == (1, 2) and keys[1].token_ids == (3, 4)
-    assert keys[0].hash == hash_unit(ROOT_HASH, (1, 2), encode_extra_key("t"))
-    assert keys[1].hash == hash_unit(keys[0].hash, (3, 4), encode_extra_key("t"))     # chained
+    assert keys[0].hash == hash_unit(ROOT_HASH, (1, 2), extra_key_digest("t"))
+    assert keys[1].hash == hash_unit(keys[0].hash, (3, 4), extra_key_digest("t"))     # chained
     assert unit_keys([1, 2, 3, 4, 5], 2, extra_key="t") == keys                        # deterministic
     assert unit_keys([1, 2, 9, 4], 2, extra_key="t")[0] == keys[0]
     assert unit_keys([1, 2, 9, 4], 2, extra_key="t")[1].hash != keys[1].hash
@@ -73,6 +74,46 @@ def test_extra_key_and_token_validation():
         unit_keys([1, 2], 0)
     # a token count is in the hash: a unit is never confused with a longer one sharing its bytes
     assert hash_unit(ROOT_HASH, (1,), b"N") != hash_unit(ROOT_HASH, (1, 0), b"N")
+
+
+def test_a_long_extra_key_is_hashed_once_per_call_not_once_per_unit(monkeypatch):
+    """A 7 MB ``cache_salt`` used to be fed into every unit's sha256 (seconds per allocate on the
+    engine thread); now its typed encoding is digested once and each unit hashes 32 bytes of it."""
+    fed: list[int] = []
+    real = hashing_mod.hashlib.sha256
+
+    class _Counting:
+        def __init__(self, data=b""):
+            self._h = real(data)
+            fed.append(len(data))
+
+        def update(self, data):
+            fed.append(len(data))
+            self._h.update(data)
+
+        def digest(self):
+            return self._h.digest()
+
+    monkeypatch.setattr(hashing_mod.hashlib, "sha256", _Counting)
+    tokens = list(range(64))
+    small, huge = "s", "x" * (1 << 20)
+    unit_keys(tokens, 2, small)
+    small_bytes = sum(fed)
+    fed.clear()
+    keys = unit_keys(tokens, 2, huge)
+    assert len(keys) == 32
+    assert sum(fed) - small_bytes == len(huge) - len(small)          # the salt's bytes, once
+    assert max(len(k.extra) for k in keys) == HASH_BYTES             # verification compares 32 bytes
+
+
+def test_different_salts_never_share_and_hits_are_verified_on_the_digest():
+    index = PrefixIndex()
+    a, b = "x" * 5000, "x" * 4999 + "y"
+    _register_prompt(index, [1, 1, 2, 2], 2, 100, extra_key=a)
+    assert [e.handles for e in index.match(unit_keys([1, 1, 2, 2], 2, a))] == [(100,), (101,)]
+    assert index.match(unit_keys([1, 1, 2, 2], 2, b)) == []
+    assert index.match(unit_keys([1, 1, 2, 2], 2, (a,))) == []
+    assert extra_key_digest(a) != extra_key_digest(b) and len(extra_key_digest(a)) == HASH_BYTES
 
 
 # ----------------------------------------------------------------------------- the index

@@ -11,7 +11,8 @@ import struct
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-__all__ = ["HASH_BYTES", "ROOT_HASH", "UnitKey", "encode_extra_key", "hash_unit", "unit_keys"]
+__all__ = ["HASH_BYTES", "ROOT_HASH", "UnitKey", "encode_extra_key", "extra_key_digest", "hash_unit",
+           "unit_keys"]
 
 #: bytes of a unit hash (sha256)
 HASH_BYTES = 32
@@ -69,16 +70,28 @@ def encode_extra_key(extra_key: Hashable) -> bytes:
     return b"".join(out)
 
 
+def extra_key_digest(extra_key: Hashable) -> bytes:
+    """sha256 (:data:`HASH_BYTES` bytes) of ``encode_extra_key(extra_key)``: what every unit hash and
+    every hit verification uses, so a long extra key (a 7 MB ``cache_salt``) is encoded and hashed
+    once per call, not once per unit, and never compared byte by byte.  Two keys share a digest only
+    if their typed encodings are equal (or sha256 collides).
+
+    Raises:
+        TypeError, ValueError: see :func:`encode_extra_key`.
+    """
+    return hashlib.sha256(b"vmkv-extra-key\0" + encode_extra_key(extra_key)).digest()
+
+
 def hash_unit(parent_hash: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
     """sha256 of one full unit chained on its parent (stable across processes and platforms).
 
     The input is unambiguous: the 32-byte parent hash, the number of tokens, each token id as a
-    little-endian int64, then ``extra`` (an :func:`encode_extra_key` encoding, self-delimiting).
+    little-endian int64, then ``extra`` (a fixed-size :func:`extra_key_digest`).
 
     Args:
         parent_hash: the previous unit's hash, :data:`ROOT_HASH` for the first unit.
         token_ids: the unit's token ids, each in the int64 range.
-        extra: ``encode_extra_key(extra_key)``.
+        extra: ``extra_key_digest(extra_key)`` (computed once per request, not per unit).
     """
     h = hashlib.sha256(parent_hash)
     h.update(_length(len(token_ids)))
@@ -90,7 +103,7 @@ def hash_unit(parent_hash: bytes, token_ids: Sequence[int], extra: bytes) -> byt
 @dataclass(frozen=True)
 class UnitKey:
     """What identifies one full unit of a request: its chained hash (the lookup key) and the
-    token ids and encoded extra key a hit is verified against."""
+    token ids and extra-key digest (:func:`extra_key_digest`) a hit is verified against."""
 
     hash: bytes
     token_ids: tuple[int, ...]
@@ -112,7 +125,7 @@ def unit_keys(token_ids: Sequence[int], unit_tokens: int, extra_key: Hashable = 
     """
     if unit_tokens <= 0:
         raise ValueError(f"unit_tokens must be > 0, got {unit_tokens}")
-    extra = encode_extra_key(extra_key)
+    extra = extra_key_digest(extra_key)  # once: O(len(extra key)) per call, O(1) per unit
     tokens = [int(t) for t in token_ids]
     if tokens and not _INT64[0] <= min(tokens) <= max(tokens) <= _INT64[1]:
         raise ValueError(f"token ids must be in the int64 range, got {min(tokens)}..{max(tokens)}")

@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
-from vmkv.kvcache.hashing import HASH_BYTES, ROOT_HASH, UnitKey, encode_extra_key, hash_unit, unit_keys
+from vmkv.kvcache.hashing import (HASH_BYTES, ROOT_HASH, UnitKey, encode_extra_key, extra_key_digest, hash_unit,
+                                  unit_keys)
 
 __all__ = ["HASH_BYTES", "ROOT_HASH", "UnitKey", "PrefixEntry", "PrefixLookup", "PrefixChain",
-           "PrefixIndex", "encode_extra_key", "hash_unit", "unit_keys"]
+           "PrefixIndex", "encode_extra_key", "extra_key_digest", "hash_unit", "unit_keys"]
 
 
 # ---------------------------------------------------------------------------------------- the index

@@ -392,3 +392,164 @@ def test_cli_serve_and_sigterm_answers_requests_still_running(tiny_model_dir):
         assert "listening on http://127.0.0.1" in out and "vmkv serve: stopped (SIGTERM)" in out
     finally:
         srv.kill()
+
+
+# ---------------------------------------------------------------------------- adversarial follow-ups
+from server_helpers import MAX_NUM_SEQS  # noqa: E402
+
+PROMPT_SHAPES = [
+    # (id, body, choices expected)
+    ("str", {"prompt": "the cat"}, 1),
+    ("str_n2", {"prompt": "the cat", "n": 2}, 2),
+    ("list_of_one_str", {"prompt": ["Hello"]}, 1),
+    ("list_of_str", {"prompt": ["Hello", "the cat"]}, 2),
+    ("list_of_str_n2_stop", {"prompt": ["Hello", "the cat"], "n": 2, "stop": ["zzz"]}, 4),
+    ("list_of_str_stop_str", {"prompt": ["Hello", "a"], "stop": "zzz"}, 2),
+    ("token_ids", {"prompt": [1, 2, 3]}, 1),
+    ("token_ids_n3", {"prompt": [1, 2, 3], "n": 3}, 3),
+    ("token_id_lists", {"prompt": [[1, 2], [3]]}, 2),
+    ("token_id_lists_n2", {"prompt": [[1, 2], [3]], "n": 2, "stop": ["zzz"]}, 4),
+]
+
+
+@pytest.mark.parametrize("body, num_choices", [c[1:] for c in PROMPT_SHAPES], ids=[c[0] for c in PROMPT_SHAPES])
+def test_every_valid_prompt_shape_is_served(server, body, num_choices):
+    """A list of strings used to fall into the token-id check and get HTTP 500 (int <= str)."""
+    r = post_json(server.http, COMPLETIONS_URL, {**body, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(num_choices))
+
+
+def test_prompts_times_n_is_capped_by_max_num_seqs(server):
+    """``[[1]] * 1000`` with ``n`` 64 (5 KB) used to make 64,000 sequences and block everyone for minutes."""
+    err = _error(post_json(server.http, COMPLETIONS_URL, {"prompt": [[1]] * 1000, "n": 64, "max_tokens": 1}))
+    assert err["param"] == "prompt" and err["code"] == "invalid_value"
+    assert "1000 prompts x n=64 = 64000" in err["message"] and f"max_num_seqs={MAX_NUM_SEQS}" in err["message"]
+    err = _error(post_json(server.http, COMPLETIONS_URL, {"prompt": ["a"] * (MAX_NUM_SEQS + 1), "max_tokens": 1}))
+    assert err["param"] == "prompt"
+    err = _error(post_json(server.http, COMPLETIONS_URL, {"prompt": "a", "n": MAX_NUM_SEQS + 1}))
+    assert err["param"] == "n"
+    r = post_json(server.http, COMPLETIONS_URL, {"prompt": [[1]] * (MAX_NUM_SEQS // 2), "n": 2, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_NUM_SEQS
+    server.assert_alive()
+
+
+def test_cache_salt_length_is_capped(server):
+    from vmkv.server.protocol import MAX_CACHE_SALT_CHARS
+
+    err = _error(post_json(server.http, COMPLETIONS_URL, {"prompt": "the", "max_tokens": 1,
+                                                          "cache_salt": "x" * (MAX_CACHE_SALT_CHARS + 1)}))
+    assert err["param"] == "cache_salt" and f"at most {MAX_CACHE_SALT_CHARS} characters" in err["message"]
+    r = post_json(server.http, COMPLETIONS_URL, {"prompt": "the", "max_tokens": 1,
+                                                 "cache_salt": "x" * MAX_CACHE_SALT_CHARS})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("url, body", [
+    (COMPLETIONS_URL, {"prompt": "the", "n": None, "stream": None, "ignore_eos": None, "echo": None,
+                       "max_tokens": None, "skip_special_tokens": None, "stream_options": None, "best_of": None}),
+    (CHAT_URL, {"messages": _MSG, "n": None, "stream": None, "ignore_eos": None, "max_tokens": 2,
+                "skip_special_tokens": None, "logprobs": None, "temperature": None, "top_p": None}),
+], ids=["completions", "chat"])
+def test_null_means_the_default(server, url, body):
+    r = post_json(server.http, url, body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
+def test_null_text_part_names_the_text_field(server):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}
+    err = _error(post_json(server.http, CHAT_URL, body))
+    assert err["param"] == "messages.0.content.0.text", err
+    assert _error(post_json(server.http, CHAT_URL, {"messages": [{"role": "user", "content": 5}]}))["param"] == \
+        "messages.0.content"
+
+
+@pytest.fixture(scope="module")
+def quick_timeout_server(tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, "paged", header_timeout_s=1.0, body_timeout_s=1.0)
+    yield srv
+    srv.stop()
+
+
+_POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_a_body_that_never_completes_gets_408_then_close(quick_timeout_server):
+    """A declared body sent slowly (or never) used to hold the connection for good: the header deadline
+    stopped once the head was parsed."""
+    srv = quick_timeout_server
+    for data in (_POST_HEAD + b"Content-Length: 100\r\n\r\n{",
+                 _POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n"):  # chunked, no last chunk
+        started = time.monotonic()
+        reply = _raw(srv, data)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"connection: close" in reply.lower()
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert 0.9 < time.monotonic() - started < 10
+    # trickling bytes do not extend the deadline
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        sock.sendall(_POST_HEAD + b"Content-Length: 100\r\n\r\n")
+        started = time.monotonic()
+        reply = b""
+        while time.monotonic() - started < 5:
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                break
+            time.sleep(0.1)
+        with __import__("contextlib").suppress(OSError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 4
+    srv.assert_alive()
+
+
+def test_a_get_declaring_a_huge_body_is_closed(quick_timeout_server):
+    """The GET is answered, and the connection, left waiting for a body, closed at the body deadline."""
+    started = time.monotonic()
+    reply = _raw(quick_timeout_server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 10
+    quick_timeout_server.assert_alive()
+
+
+@pytest.mark.parametrize("data", [
+    _POST_HEAD + b"Content-Length: 100\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n",
+    _POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"prompt\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nqq\r\n",
+], ids=["cl_and_bad_chunk", "chunk_longer_than_its_size", "get_bad_chunk"])
+def test_invalid_chunked_bodies_get_400_then_close(quick_timeout_server, data):
+    reply = _raw(quick_timeout_server, data)
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    quick_timeout_server.assert_alive()
+
+
+def test_a_bad_chunk_after_the_reply_started_closes(quick_timeout_server):
+    with socket.create_connection(("127.0.0.1", quick_timeout_server.port), timeout=20) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        reply = b""
+        while not reply.endswith(b'{"status":"ok"}'):
+            reply += sock.recv(65536)
+        sock.sendall(b"qq\r\n")
+        started = time.monotonic()
+        while sock.recv(65536):
+            pass
+        assert time.monotonic() - started < 0.9  # closed for the bad chunk, not by the body deadline
+    quick_timeout_server.assert_alive()
+
+
+def test_body_timeout_and_port_are_checked_serve_options():
+    import argparse
+
+    from vmkv.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).body_timeout == 60.0
+    assert parser.parse_args(["--body-timeout", "2.5"]).body_timeout == 2.5
+    assert parser.parse_args(["--port", "0"]).port == 0 and parser.parse_args(["--port", "65535"]).port == 65535
+    for flag, bad in [("--body-timeout", "0"), ("--body-timeout", "nan"), ("--port", "99999"),
+                      ("--port", "-1"), ("--port", "http")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, bad])

@@ -170,6 +170,8 @@ class AsyncEngine:
         self._submit_lock = threading.Lock()
         self.model_name: str = str(getattr(engine, "model_name", "model"))
         self.max_model_len: int = int(getattr(engine, "max_model_len", 0))
+        #: sequences the engine runs at once (None: unknown); also the most one request may ask for
+        self.max_num_seqs: int | None = _max_num_seqs(engine)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -401,3 +403,9 @@ class AsyncEngine:
                 return
             if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
+
+
+def _max_num_seqs(engine: Any) -> int | None:
+    """The engine's ``max_num_seqs`` (its scheduler config), or None if it has none."""
+    value = getattr(getattr(getattr(engine, "config", None), "scheduler", None), "max_num_seqs", None)
+    return int(value) if isinstance(value, int) else None

@@ -7,7 +7,8 @@ come from :mod:`vmkv.engine.config`.  On SIGINT/SIGTERM the server stops accepti
 lets running requests finish for ``--graceful-timeout`` seconds; then it stops the engine, which ends
 what is still running with HTTP 503 (an error event and ``[DONE]`` on a stream), and exits
 (:mod:`vmkv.server.http_server`).  A client that does not send a complete request head within
-``--header-timeout`` seconds is disconnected.
+``--header-timeout`` seconds is disconnected; one whose request body is not complete within
+``--body-timeout`` seconds of its head gets HTTP 408 and is disconnected.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 
 from vmkv.engine.args import add_engine_args, apply_threads, engine_kwargs, parse_size
-from vmkv.server.http_server import DEFAULT_HEADER_TIMEOUT_S, build_server
+from vmkv.server.http_server import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, build_server
 
 __all__ = ["add_arguments", "run", "engine_kwargs"]
 
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     :func:`vmkv.engine.args.add_engine_args` (defaults from the engine config dataclasses)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (0: any free port; default: "
+                                                            "%(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients send and /v1/models lists (default: the model's name)")
     g.add_argument("--graceful-timeout", type=_seconds(0.0), default=10.0, metavar="SECONDS",
@@ -39,11 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--header-timeout", type=_seconds(None), default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
                    help="a client must send a complete request head within this many seconds of connecting "
                         "(or of the previous response), or it is disconnected (default: %(default)s)")
+    g.add_argument("--body-timeout", type=_seconds(None), default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="a client must send the whole request body within this many seconds of its head, or "
+                        "it gets HTTP 408 and is disconnected (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--max-request-bytes", type=parse_size, default=8 << 20, metavar="SIZE",
                    help="larger request bodies get HTTP 413 (default: 8MiB)")
 
     add_engine_args(parser)
+
+
+def _port(text: str) -> int:
+    """``argparse`` type: a TCP port in [0, 65535] (checked before the model loads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {text!r}")
+    return value
 
 
 def _seconds(minimum: float | None):
@@ -84,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
           f"listening on http://{args.host}:{args.port}/v1", flush=True)
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level,
                           graceful_timeout_s=args.graceful_timeout, header_timeout_s=args.header_timeout,
+                          body_timeout_s=args.body_timeout,
                           access_log=False)
     server.run()  # SIGINT/SIGTERM: graceful shutdown, then the app's lifespan stops the engine thread
     if server.received_signal is not None:

@@ -93,8 +93,8 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
             parts.append(str(item))
         elif isinstance(item, str) and item.isidentifier():
             parts.append(item)
-        else:  # a union member tag such as "list[int]" or "function-after[...]": stop here
-            break
+        else:  # a union member tag such as "list[TextContentPart]" or "function-after[...]": not a field
+            continue
     # pydantic tags union members by type name ("str", "int", ...): those are not fields
     while parts and parts[-1] in ("str", "int", "float", "bool", "list", "dict", "none"):
         parts.pop()
@@ -120,6 +120,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
         key = _param_of(tuple(e.get("loc", ()))) or ""
         if key not in by_param or _is_type_error(by_param[key]) and not _is_type_error(e):
             by_param[key] = e
+    # a union member that matched the value's shape reports deeper (``messages.0.content.0.text``)
+    # than the members that did not (``messages.0.content``): the deeper error is the one that applies
+    for key in [k for k in by_param if any(o.startswith(f"{k}.") for o in by_param if k)]:
+        del by_param[key]
     first = next(iter(by_param.values()))
     seen: dict[str, str] = {}
     first_param = _param_of(tuple(first.get("loc", ())))

@@ -1,10 +1,15 @@
 """uvicorn, set up for serving: a header-read timeout, and a shutdown that answers what is still running.
 
-- :class:`HeaderTimeoutH11Protocol`: uvicorn's h11 protocol with a deadline for the request head.
-  uvicorn has no such option: a client that connects and never finishes its headers (slowloris) holds
-  a connection for good.  The deadline runs from the moment the connection can take a request head (it
-  opened, or the previous response ended) until the head has been parsed; trickling bytes do not
-  extend it.  On expiry the connection is closed.
+- :class:`HeaderTimeoutH11Protocol`: uvicorn's h11 protocol with a deadline for the request head and
+  one for the request body.  uvicorn has neither: a client that connects and never finishes its
+  headers (slowloris), or declares a body and sends it slowly or never (slow POST, a ``GET`` with a
+  huge ``Content-Length``), holds a connection for good.  The head deadline runs from the moment the
+  connection can take a request head (it opened, or the previous response ended) until the head has
+  been parsed; on expiry the connection is closed.  The body deadline runs from then until the whole
+  body has arrived; on expiry the client gets HTTP 408 (``code="request_timeout"``, if no reply has
+  started yet) and the connection is closed.  Trickling bytes extend neither.  A malformed body
+  (invalid chunked framing) gets uvicorn's 400 and a close, or only the close when a reply has
+  already started.
 - :class:`Server`: on SIGINT/SIGTERM uvicorn stops accepting connections and waits for running requests;
   after ``graceful_timeout_s`` this server calls ``end_requests`` (the engine's shutdown), which ends every
   open request through the normal reply path: HTTP 503 with an OpenAI error body, or a stream's final
@@ -18,6 +23,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import signal
 from typing import Any, Awaitable, Callable
@@ -26,22 +33,29 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["HeaderTimeoutH11Protocol", "Server", "build_server", "DEFAULT_HEADER_TIMEOUT_S", "FORCE_MARGIN_S"]
+__all__ = ["HeaderTimeoutH11Protocol", "Server", "build_server", "DEFAULT_HEADER_TIMEOUT_S",
+           "DEFAULT_BODY_TIMEOUT_S", "FORCE_MARGIN_S"]
 
 logger = logging.getLogger(__name__)
 
 #: default deadline for a request head (seconds); nginx and Node use 60, Apache 20-40
 DEFAULT_HEADER_TIMEOUT_S = 30.0
+#: default deadline for a request body, from the end of its head (seconds); 8 MiB (the default
+#: ``--max-request-bytes``) in 60 s needs ~140 KB/s
+DEFAULT_BODY_TIMEOUT_S = 60.0
 #: how long after ``end_requests`` a request task may still run before uvicorn cancels it (seconds)
 FORCE_MARGIN_S = 5.0
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose request head is not complete within
-    ``header_timeout_s`` seconds (a subclass sets it; see :func:`build_server`)."""
+    ``header_timeout_s`` seconds, and answering 408 and closing one whose request body is not complete
+    within ``body_timeout_s`` seconds of its head (a subclass sets both; see :func:`build_server`)."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -49,17 +63,36 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        self._cancel_body_timer()
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # a request head has been parsed (or the peer erred)
+        try:
+            super().handle_events()
+        except h11.LocalProtocolError:  # uvicorn's 400 for a malformed body after a reply had started
+            logger.info("closing a connection from %s: malformed request body", self._peer())
+            self.transport.close()
+        if self.transport.is_closing() and self.cycle is not None and not self.cycle.response_complete:
+            # uvicorn answered a malformed request (400) while the app was already running for it: the
+            # app's receive() gets http.disconnect and its reply goes nowhere (h11 would refuse it)
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        state = self.conn.their_state
+        if state is not h11.IDLE:  # a request head has been parsed (or the peer erred)
             self._cancel_header_timer()
+        if state is h11.SEND_BODY and not self.transport.is_closing():
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._on_body_timeout)
+        else:
+            self._cancel_body_timer()
 
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():  # keep-alive: the next head has a deadline too
             self._arm_header_timer()
         super().on_response_complete()  # may parse a pipelined head at once (handle_events disarms)
+
+    def _peer(self) -> str:
+        return "%s:%d" % self.client if self.client else "?"
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
@@ -70,12 +103,39 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             logger.info("closing a connection from %s: no complete request head within %.1f s",
-                        "%s:%d" % self.client if self.client else "?", self.header_timeout_s)
+                        self._peer(), self.header_timeout_s)
             self.transport.close()
+
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        logger.info("closing a connection from %s: request body not complete within %.1f s of its head",
+                    self._peer(), self.body_timeout_s)
+        if self.conn.our_state is h11.SEND_RESPONSE and (self.cycle is None or not self.cycle.response_started):
+            body = json.dumps({"error": {
+                "message": f"request body not received within {self.body_timeout_s:g} s of the request head "
+                           "(the server's --body-timeout); send the whole body at once",
+                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.transport.write(self.conn.send(h11.Response(status_code=408, reason=b"Request Timeout", headers=[
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")])))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+        if self.cycle is not None:  # the app's receive() gets http.disconnect; its reply goes nowhere
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.close()
 
 
 class Server(uvicorn.Server):
@@ -129,6 +189,7 @@ class Server(uvicorn.Server):
 
 def build_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                  graceful_timeout_s: float = 10.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  end_requests: Callable[[], Awaitable[Any]] | None = None, **config_kwargs: Any) -> Server:
     """A :class:`Server` for ``app`` on ``host:port``.
 
@@ -136,19 +197,22 @@ def build_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_lev
         end_requests: what ends the open requests after the graceful timeout; default the shutdown of
             the app's engine (``app.state.async_engine``), which answers each of them.
         header_timeout_s: deadline for a request head (> 0).
+        body_timeout_s: deadline for a request body, from the end of its head (> 0).
         config_kwargs: more ``uvicorn.Config`` arguments.
     Raises:
-        ValueError: ``header_timeout_s`` <= 0 or ``graceful_timeout_s`` < 0.
+        ValueError: ``header_timeout_s`` or ``body_timeout_s`` <= 0, or ``graceful_timeout_s`` < 0.
     """
     if not header_timeout_s > 0:
         raise ValueError(f"header_timeout_s must be > 0 seconds, got {header_timeout_s!r}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0 seconds, got {body_timeout_s!r}")
     if not graceful_timeout_s >= 0:
         raise ValueError(f"graceful_timeout_s must be >= 0 seconds, got {graceful_timeout_s!r}")
     if end_requests is None:
         engine = getattr(getattr(app, "state", None), "async_engine", None)
         end_requests = engine.shutdown if engine is not None else None
     protocol = type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,),
-                    {"header_timeout_s": float(header_timeout_s)})
+                    {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s)})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                             timeout_graceful_shutdown=graceful_timeout_s + FORCE_MARGIN_S, **config_kwargs)
     return Server(config, graceful_timeout_s=graceful_timeout_s, end_requests=end_requests)

@@ -43,6 +43,7 @@ __all__ = [
     "MAX_STOP_SEQUENCES",
     "MAX_STOP_SEQUENCE_CHARS",
     "MAX_STOP_TOKEN_IDS",
+    "MAX_CACHE_SALT_CHARS",
     "INT32_MAX",
     "Unsupported",
     "ErrorInfo",
@@ -77,6 +78,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 1024
 #: most ``stop_token_ids`` one request may give
 MAX_STOP_TOKEN_IDS = 1024
+#: longest ``cache_salt`` (characters): a tenant id, not a payload
+MAX_CACHE_SALT_CHARS = 4096
 #: upper bound of every token count and token id field
 INT32_MAX = (1 << 31) - 1
 #: upper bound of ``seed`` (a signed 64-bit integer)
@@ -181,6 +184,18 @@ class _StrictRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit ``null`` for a field with a non-null default means that default, as OpenAI
+        documents for its nullable fields (``"n": null``, ``"stream": null``, ...).  Required fields
+        and fields whose default is null keep the null and are checked as usual."""
+        if not isinstance(data, dict):
+            return data
+        drop = [name for name, value in data.items() if value is None and (field := cls.model_fields.get(name))
+                is not None and not field.is_required() and field.default is not None]
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
+
     @field_validator("*", mode="after")
     @classmethod
     def _check_every_field(cls, value: Any, info: ValidationInfo) -> Any:
@@ -269,6 +284,9 @@ class SamplingRequestFields(_StrictRequest):
     def _check_cache_salt(cls, salt: str | None) -> str | None:
         if salt is not None and salt == "":
             raise ValueError("must be a non-empty string (or omitted)")
+        if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"may have at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}; use a "
+                             "short tenant id (or a hash of a longer one)")
         return salt
 
     @model_validator(mode="after")
@@ -324,11 +342,12 @@ class CompletionRequest(SamplingRequestFields):
                 raise ValueError("must be a non-empty string")
         elif len(p) == 0:
             raise ValueError("must be non-empty")
-        elif isinstance(p[0], str) and any(s == "" for s in p):
-            raise ValueError("every prompt in the list must be a non-empty string")
-        elif isinstance(p[0], list) and any(len(ids) == 0 for ids in p):
-            raise ValueError("every token-id list must be non-empty")
-        else:
+        elif isinstance(p[0], str):  # a batch of strings (the before-validator made the list uniform)
+            if any(s == "" for s in p):
+                raise ValueError("every prompt in the list must be a non-empty string")
+        else:  # token ids, or a batch of token-id lists
+            if isinstance(p[0], list) and any(len(ids) == 0 for ids in p):
+                raise ValueError("every token-id list must be non-empty")
             ids = p if isinstance(p[0], int) else [t for ids in p for t in ids]
             if any(not 0 <= t <= INT32_MAX for t in ids):
                 raise ValueError(f"token ids must be in [0, {INT32_MAX}] (and in the model's vocabulary)")

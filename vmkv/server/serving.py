@@ -149,6 +149,27 @@ class OpenAIServing:
             return requested
         return room if default is None else min(default, room)
 
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        """One request may ask for at most ``max_num_seqs`` sequences (prompts x ``n``): the engine runs
+        that many at once, and a request beyond it (``[[1]] * 1000`` with ``n`` 64: 64,000 sequences
+        from 5 KB) would hold every other request back for minutes.  ``n`` alone is checked against
+        the same limit on the engine thread (:meth:`_sampling_params`).
+
+        Raises:
+            OpenAIError(400): ``num_prompts * n > max_num_seqs``; ``param`` is ``prompt`` (or ``n``
+                for a single prompt).
+        """
+        limit = self.engine.max_num_seqs
+        if limit is None or num_prompts * n <= limit:
+            return
+        if num_prompts == 1:
+            raise OpenAIError(400, f"n={n} exceeds this server's max_num_seqs={limit}; ask for at most "
+                                   f"{limit} completions per prompt", param="n", code="invalid_value")
+        raise OpenAIError(400, f"prompt: {num_prompts} prompts x n={n} = {num_prompts * n} sequences exceeds "
+                               f"this server's max_num_seqs={limit}: a request may ask for at most {limit} "
+                               "sequences (prompts x n) in [1, max_num_seqs]; split the batch over several "
+                               "requests", param="prompt", code="invalid_value")
+
     @staticmethod
     def _sampling_params(req: SamplingRequestFields, max_tokens: int, engine: Any) -> Any:
         """Engine ``SamplingParams`` of a request (engine thread).
@@ -206,6 +227,7 @@ class OpenAIServing:
     async def completion_streams(self, req: CompletionRequest, request_id: str, arrival: float
                                  ) -> tuple[list[RequestStream], list[_Prepared]]:
         prompts = req.prompts()
+        self._check_num_seqs(len(prompts), req.n)
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         streams: list[RequestStream] = []
         infos: list[_Prepared] = []

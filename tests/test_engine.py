@@ -368,6 +368,18 @@ def test_offline_llm_prompt_dicts_take_cache_salt(tiny, backend):
         assert same.num_cached_tokens > 0
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt_token_ids": ids, "cache_salt": 3}, p, use_tqdm=False)
+    # the same rule as the server's: a lone surrogate is not text (the server answers 400)
+    with pytest.raises(ValueError, match="cache_salt contains a lone UTF-16 surrogate"):
+        llm.generate({"prompt": "a", "cache_salt": "\ud800"}, p, use_tqdm=False)
+    # a wrong argument type is named, not an AttributeError/TypeError from deep inside
+    with pytest.raises(TypeError, match="prompts must be a str, a prompt dict or a list of them, got NoneType"):
+        llm.generate(None, p, use_tqdm=False)
+    with pytest.raises(TypeError, match="params .sampling_params. must be a SamplingParams, a list of them or "
+                                        "None, got dict"):
+        llm.generate("a", {"max_tokens": 1}, use_tqdm=False)
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        llm.generate(["a"], [{"max_tokens": 1}], use_tqdm=False)
+    assert llm.engine.num_unfinished_requests() == 0
 
 
 # ---------------------------------------------------------------------- validation, stats, metrics

@@ -139,11 +139,30 @@ def test_sample_checks_row_count():
     ({"temperature": float("inf")}, "temperature"),
     ({"top_p": float("nan")}, "top_p"),
     ({"n": True}, "n must be"),
+    # adversarial follow-ups: a dict is not a list of stops, and a lone surrogate is not text
+    ({"stop": {"a": 1}}, "stop must be None, a str or a list of str, got a dict"),
+    ({"stop": {"a"}}, "stop must be None, a str or a list of str, got a set"),
+    ({"stop": "\ud800"}, "stop strings must be Unicode text"),
+    ({"stop": ["ok", "x\udfff"]}, "stop strings must be Unicode text"),
+    ({"stop_token_ids": {1: 2}}, "stop_token_ids must be None or a list"),
 ])
 def test_sampling_params_validation(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_assigned_stop_is_normalized_like_the_constructor():
+    """``sp.stop = "the"`` then ``validate()`` used to say "stop must be None, a str or a list of str,
+    got 'the'" (and stop_strings split it into letters)."""
+    sp = SamplingParams()
+    sp.stop = "the"
+    sp.validate()
+    assert sp.stop == ["the"] and sp.stop_strings == ["the"]
+    sp.stop = ("a", "b")
+    sp.validate()
+    assert sp.stop == ["a", "b"]
+    assert SamplingParams(stop=("x",)).stop == ["x"] and SamplingParams(stop_token_ids=(3,)).stop_token_ids == [3]
 
 
 def test_sampling_params_bounds_are_accepted():

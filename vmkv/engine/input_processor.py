@@ -171,9 +171,12 @@ def check_unicode(text: str, field: str) -> None:
 
 
 def check_cache_salt(cache_salt: Any) -> None:
-    """Raise ``ValueError`` unless ``cache_salt`` is ``None`` or a non-empty ``str``."""
+    """Raise ``ValueError`` unless ``cache_salt`` is ``None`` or a non-empty ``str`` of Unicode text
+    (no lone surrogate: the server answers such a salt with a 400 too)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+    if cache_salt is not None:
+        check_unicode(cache_salt, "cache_salt")
 
 
 def to_token_ids(ids: Any) -> list[int]:

@@ -76,12 +76,16 @@ class LLM:
             ValueError: a malformed prompt, or a params list of the wrong length; no prompt of the
                 call is run then.
             PromptTooLongError: a prompt does not fit ``max_model_len`` (nothing is run either).
-            TypeError: both ``params`` and ``sampling_params`` given.
+            TypeError: both ``params`` and ``sampling_params`` given; ``prompts`` not a str, dict
+                or list; ``params`` not a SamplingParams, a list of them or None.
         """
         if params is not None and sampling_params is not None:
             raise TypeError("give the sampling parameters once: params or sampling_params, not both")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a prompt dict or a list of them, got "
+                            f"{type(prompts).__name__}: {prompts!r}"[:300])
         prompts = list(prompts)
         params_list = self._params_list(params if params is not None else sampling_params, len(prompts))
         parsed = [self._parse_prompt(prompt) for prompt in prompts]
@@ -121,6 +125,9 @@ class LLM:
             return [SamplingParams() for _ in range(num)]
         if isinstance(params, SamplingParams):
             return [params] * num
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"params (sampling_params) must be a SamplingParams, a list of them or None, got "
+                            f"{type(params).__name__}: {params!r}"[:300] + "; e.g. SamplingParams(max_tokens=1)")
         params = list(params)
         if len(params) != num:
             raise ValueError(f"got {len(params)} SamplingParams for {num} prompts; give one or one per prompt")

@@ -17,8 +17,8 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_iterable(x: object) -> bool:
-    return not isinstance(x, (str, bytes)) and hasattr(x, "__iter__")
+def _has_lone_surrogate(text: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def _check_int(name: str, value: object, low: int, high: int, prefix: str = "") -> None:
@@ -61,13 +61,17 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # one spelling of a stop list, whether given to the constructor or assigned later
+        # (``sp.stop = "the"``): a str becomes a one-element list, a list or tuple a list; any other
+        # type is kept as given, for validate() to reject (a dict or set is not a list of stops)
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        elif name in ("stop", "stop_token_ids") and isinstance(value, (list, tuple)):
+            value = list(value)
+        super().__setattr__(name, value)
+
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif _is_iterable(self.stop):
-            self.stop = list(self.stop)
-        if _is_iterable(self.stop_token_ids):
-            self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -90,12 +94,16 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, MAX_INT32, "None or ")
         if self.stop is not None and not isinstance(self.stop, list):
-            raise ValueError(f"stop must be None, a str or a list of str, got {self.stop!r}")
+            raise ValueError(f"stop must be None, a str or a list of str, got a {type(self.stop).__name__}: "
+                             f"{self.stop!r}")
         for s in self.stop or ():
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+            if _has_lone_surrogate(s):
+                raise ValueError(f"stop strings must be Unicode text without lone UTF-16 surrogates, got {s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be None or a list of ints, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be None or a list of ints, got a "
+                             f"{type(self.stop_token_ids).__name__}: {self.stop_token_ids!r}")
         for tid in self.stop_token_ids or ():
             if not _is_int(tid) or not 0 <= tid <= MAX_INT64:
                 raise ValueError(f"stop_token_ids must be ints in [0, {MAX_INT64}], got {tid!r}")

@@ -210,7 +210,7 @@ def test_guard_pages_are_mapped_once_and_released_with_the_cache():
                         layout=name, page_size_bytes=PAGE)
         drv = c.driver
         assert drv.num_guards == num_reservations and drv.num_mappings == 0 and drv.num_pages == 0
-        k_anchors, v_anchors = c.layout.kv_anchors(c.mapper.base_tensors)
+        k_anchors, v_anchors = c.layout.kv_anchors(c.base_tensors)
         assert all(drv.page_state(a.data_ptr()) == "guard" for a in k_anchors + v_anchors)
         c.allocate(1, 20)
         c.free(1)

@@ -120,12 +120,15 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
             self.pool = PagePool(drv, max_pages, preallocate, self.prefix)
             self.mapper = SlotMapper(drv, self.layout, self.pool, self.prefix)
             try:  # kernel launches receive guard addresses, never slot 0's (layout.py, "guard page")
+                #: one uint8 ``[reservation_bytes]`` tensor per reservation (the mapper is torch-free)
+                self.base_tensors = [drv.as_tensor(va, self.layout.reservation_bytes)
+                                     for va in self.mapper.bases]
                 self.layout.map_guards(drv, self.mapper.bases)
             except BaseException:
                 self.mapper.close()
                 raise
-            self._k, self._v = self.layout.kv_views(self.mapper.base_tensors)
-            self._k_anchor, self._v_anchor = self.layout.kv_anchors(self.mapper.base_tensors)
+            self._k, self._v = self.layout.kv_views(self.base_tensors)
+            self._k_anchor, self._v_anchor = self.layout.kv_anchors(self.base_tensors)
         except BaseException:
             if self._owns_driver:
                 drv.close()
@@ -302,6 +305,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _close(self) -> None:
         self._k = self._v = self._k_anchor = self._v_anchor = None
+        self.base_tensors = []
         self.mapper.close()
         if self._owns_driver:
             self.driver.close()

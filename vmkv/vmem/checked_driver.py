@@ -3,7 +3,7 @@
 The drivers (:class:`~vmkv.vmem.host_driver.HostDriver`, :class:`~vmkv.vmem.cuda_driver.CudaDriver`)
 are thin wrappers over the OS / CUDA calls and keep no mapping table: the cache's page table
 (``page_table.py``) is the one record of what is mapped.  Tests wrap a driver in this class to
-catch misuse with a typed :class:`~vmkv.vmem.driver.VMMError` naming the call (what the real call
+catch misuse with a typed :class:`~vmkv.vmem.protocol.VMMError` naming the call (what the real call
 would do is undefined or a sticky CUDA error): a double map, unmapping an unmapped address, an
 address outside a reservation or off a page boundary, releasing a mapped or unknown page, access
 to an unmapped range, using a closed driver.  It keeps its own mapping table, so it also tells an
@@ -14,7 +14,7 @@ unmapped address from a mapped one (:meth:`page_state`) and lets
 
 from __future__ import annotations
 
-from vmkv.vmem.driver import VMMError
+from vmkv.vmem.protocol import VMMError
 
 __all__ = ["CheckedDriver"]
 

@@ -50,6 +50,7 @@ import logging
 import torch
 
 from vmkv.vmem.guards import GuardPagesMixin
+from vmkv.vmem.protocol import VMMError
 
 __all__ = ["VMMError", "VMMDriver", "HostDriver", "CudaDriver", "get_driver", "DEFAULT_HOST_PAGE_BYTES"]
 
@@ -68,32 +69,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class VMMError(RuntimeError):
-    """A virtual-memory call failed.
-
-    Attributes:
-        call: the failing call (``"cuMemMap"``, ``"mmap"``, ...).
-        code: its result code (``"CUDA_ERROR_OUT_OF_MEMORY"``, ``"ENOMEM"``, ...).
-    """
-
-    def __init__(self, call: str, code: str, detail: str = "") -> None:
-        self.call = call
-        self.code = code
-        msg = f"{call} failed: {code}"
-        if detail:
-            msg += f" ({detail})"
-        super().__init__(msg)
-
-    @property
-    def out_of_memory(self) -> bool:
-        """The device or the host could not provide the memory (``CUDA_ERROR_OUT_OF_MEMORY``,
-        ``ENOMEM``, ``ENOSPC``): a full cache, not a broken one."""
-        return self.code.split(" ")[0] in ("CUDA_ERROR_OUT_OF_MEMORY", "ENOMEM", "ENOSPC")
-
-
 class VMMDriver(GuardPagesMixin, abc.ABC):
     """The driver protocol: a thin layer over the OS/CUDA calls (no validation; see
-    :class:`~vmkv.vmem.checked_driver.CheckedDriver`).
+    :class:`~vmkv.vmem.checked_driver.CheckedDriver`): the host side of
+    :class:`~vmkv.vmem.protocol.PageDriver` plus tensors over the reservations (:meth:`as_tensor`).
 
     Page handles are opaque ints.  ``map``/``unmap`` work on exactly one page at ``va``.
 

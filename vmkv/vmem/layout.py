@@ -18,16 +18,21 @@ once (``VMMDriver.map_guard``) and never unmaps it, and every kernel launch rece
 (:meth:`VMemLayout.kv_anchors`) plus the element offset of the per-layer view from it.  A view's own
 first element (slot 0, position 0) is unmapped whenever slot 0 holds no page, and Triton's launcher
 rejects such a pointer argument ("cannot be accessed from Triton"); the anchor is always backed.
+
+The arithmetic is torch-free (the page bookkeeping uses it without tensors); the view methods take
+the tensors the cache made over the reservations.
 """
 
 from __future__ import annotations
 
 import abc
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from vmkv.kvcache.base import KVCacheSpec
+    from vmkv.kvcache.spec import KVCacheSpec
 
 __all__ = ["VMemLayout", "MegacacheLayout", "PerLayerLayout", "LAYOUTS", "make_layout"]
 

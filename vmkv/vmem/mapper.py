@@ -33,14 +33,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from vmkv.kvcache.prefix import PrefixIndex
-from vmkv.vmem.driver import VMMDriver
-from vmkv.vmem.layout import VMemLayout
 from vmkv.vmem.mapper_check import MapperCheckMixin
 from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError
 from vmkv.vmem.slot_ops import SlotOpsMixin
+
+if TYPE_CHECKING:
+    from vmkv.vmem.layout import VMemLayout
+    from vmkv.vmem.protocol import PageDriver
 
 __all__ = ["SlotMapper", "Slot"]
 
@@ -76,15 +78,18 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
     reclamation here, the operations in :class:`~vmkv.vmem.slot_ops.SlotOpsMixin`, statistics and
     checks in :class:`~vmkv.vmem.mapper_check.MapperCheckMixin`.
 
+    Torch-free: it deals in addresses and page handles; the cache makes the tensors over
+    :attr:`bases`.
+
     Args:
-        driver: the VMM driver.
+        driver: the VMM driver (only its :class:`~vmkv.vmem.protocol.PageDriver` calls).
         layout: reservation and unit arithmetic.
         pool: physical pages (reference count = number of mappings); its prefix index is ``prefix``.
         prefix: prefix-cache entries, handles are pages (dropped when a page is evicted or
             overwritten).
     """
 
-    def __init__(self, driver: VMMDriver, layout: VMemLayout, pool: PagePool, prefix: PrefixIndex) -> None:
+    def __init__(self, driver: PageDriver, layout: VMemLayout, pool: PagePool, prefix: PrefixIndex) -> None:
         self.driver, self.layout, self.pool, self.prefix = driver, layout, pool, prefix
         assert pool.prefix is prefix, "the page pool and the mapper must share one prefix index"
         self.num_res = layout.num_reservations
@@ -92,7 +97,6 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         try:
             for _ in range(self.num_res):
                 self.bases.append(driver.reserve(layout.reservation_bytes))
-            self.base_tensors = [driver.as_tensor(b, layout.reservation_bytes) for b in self.bases]
         except Exception:
             for va in self.bases:
                 driver.free_reservation(va, layout.reservation_bytes)

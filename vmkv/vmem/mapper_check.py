@@ -105,7 +105,6 @@ class MapperCheckMixin:
                 for r in range(self.num_res):
                     if slot.page(u, r) is not None:
                         self._unmap(slot, u, r)
-        self.base_tensors = []
         self.pool.close()
         for va in self.bases:
             self.driver.free_reservation(va, self.layout.reservation_bytes)

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 from vmkv.kvcache.errors import KVCacheFullError
 from vmkv.kvcache.prefix import PrefixIndex
-from vmkv.vmem.driver import VMMError
 from vmkv.vmem.page_table import PageTable
+from vmkv.vmem.protocol import VMMError
 
 __all__ = ["PagePool", "PagePoolExhaustedError", "out_of_memory_is_full"]
 
@@ -39,7 +39,8 @@ def out_of_memory_is_full(driver, num_tokens: int):
     except VMMError as e:
         if not (e.out_of_memory and e.call == driver.calls.get("create_page")):
             raise
-        raise KVCacheFullError(num_tokens, 0, f"{e.call} could not create a page: {e.code}") from e
+        raise KVCacheFullError(num_tokens, 0, f"{e.call} could not create a page: {e.code}",
+                               transient=True) from e
 
 
 class PagePool:

@@ -178,7 +178,7 @@ class VMemStatsMixin:
     def _check_units(self) -> None:
         self.mapper.check_integrity()
         self._check_usage()
-        unbacked = self.layout.unbacked_anchors(self.driver, self.mapper.base_tensors)
+        unbacked = self.layout.unbacked_anchors(self.driver, self.base_tensors)
         if unbacked:
             raise AssertionError(f"kernel launches would receive unbacked addresses {unbacked}")
         live = {s.index: s for s in self.mapper.slots if not s.is_free}

@@ -56,6 +56,7 @@ from vmkv.model.loader import resolve_device, resolve_dtype
 __all__ = ["LLMEngine", "PromptTooLongError", "check_cache_salt"]
 
 logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.005  #: seconds a step that could schedule nothing waits (KV memory held elsewhere)
 
 
 class LLMEngine:
@@ -223,6 +224,8 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             result = self._execute(sched)
             outputs = self._update(sched, result)
+            if sched.is_empty and not outputs and self.scheduler.waiting:
+                time.sleep(IDLE_WAIT_S)     # nothing could run (memory held elsewhere): no spinning
         except Exception as exc:
             if is_fatal_error(exc):
                 raise

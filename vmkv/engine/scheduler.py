@@ -142,6 +142,8 @@ class Scheduler:
         self.num_preempted_total = 0
         self.num_prefill_chunks_total = 0
         self.num_cached_tokens_total = 0
+        #: admissions deferred because memory could not be obtained right now (KVCacheFullError.transient)
+        self.num_transient_full = 0
 
     # ------------------------------------------------------------------ queues
     def add(self, group: SequenceGroup) -> None:
@@ -308,6 +310,9 @@ class Scheduler:
             try:
                 num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids, group.cache_salt)
             except KVCacheFullError as e:
+                if e.transient:     # memory held elsewhere right now: wait, retry next step
+                    self.num_transient_full += 1
+                    break
                 if not self.running and not out.scheduled:
                     logger.warning("request %s can never fit in the KV cache (%s); finishing it "
                                    "with finish_reason='length'", group.request_id, e)

@@ -16,11 +16,16 @@ class KVCacheFullError(KVCacheError):
     Attributes:
         needed_tokens: token positions the operation needed backed.
         available_tokens: token positions that could still be backed (0 if unknown).
+        transient: the memory exists but could not be obtained right now (the device or host
+            refused a page another process holds: vmem's cuMemCreate out of memory); retrying
+            later may succeed, so an empty engine waits instead of declaring the request too big.
     """
 
-    def __init__(self, needed_tokens: int, available_tokens: int, detail: str = "") -> None:
+    def __init__(self, needed_tokens: int, available_tokens: int, detail: str = "", *,
+                 transient: bool = False) -> None:
         self.needed_tokens = int(needed_tokens)
         self.available_tokens = int(available_tokens)
+        self.transient = bool(transient)
         msg = (
             f"KV cache full: needed {self.needed_tokens} tokens, "
             f"{self.available_tokens} available"

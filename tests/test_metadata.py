@@ -100,5 +100,5 @@ def test_errors():
         build_metadata([], device=CPU, slot_index=slot_of)
     with pytest.raises(ValueError, match="num_new_tokens must be >= 1"):
         build_metadata([StepSeq(1, 0, 1), StepSeq(2, 3, 0)], device=CPU, slot_index=slot_of)
-    with pytest.raises(ValueError, match="num_computed >= 0"):
+    with pytest.raises(ValueError, match="num_computed_tokens >= 0"):
         step_token_positions([StepSeq(1, -1, 1)])

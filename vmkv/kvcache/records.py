@@ -72,11 +72,18 @@ class StepSeq:
         num_computed_tokens: positions ``0..num_computed_tokens-1`` already hold K/V.
         num_new_tokens: this step writes positions ``num_computed_tokens ..
             num_computed_tokens + num_new_tokens - 1`` (the query length; 1 for decode).
+    Raises:
+        ValueError: ``num_new_tokens < 1`` or ``num_computed_tokens < 0``.
     """
 
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
+
+    def __post_init__(self) -> None:
+        # the one check of an entry (prepare() and the metadata builders rely on it)
+        if self.num_new_tokens < 1 or self.num_computed_tokens < 0:
+            raise ValueError(f"bad {self}: num_new_tokens must be >= 1, num_computed_tokens >= 0")
 
 
 @dataclass

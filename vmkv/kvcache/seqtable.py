@@ -155,8 +155,8 @@ class SeqTable:
         return s, s.seq_len + n
 
     def check_batch(self, batch: Sequence[StepSeq]) -> list[SeqState]:
-        """States of a step's entries: known, distinct, ``num_new_tokens >= 1``,
-        ``num_computed_tokens >= 0``, ``computed + new <= seq_len``."""
+        """States of a step's entries: known, distinct, ``computed + new <= seq_len`` (each entry's
+        own ranges are checked by :class:`StepSeq`)."""
         if not batch:
             raise ValueError("prepare() needs at least one scheduled sequence")
         states = []
@@ -166,8 +166,6 @@ class SeqTable:
             if e.seq_id in seen:
                 raise ValueError(f"sequence {e.seq_id!r} appears twice in the batch")
             seen.add(e.seq_id)
-            if e.num_new_tokens < 1 or e.num_computed_tokens < 0:
-                raise ValueError(f"bad {e}: num_new_tokens must be >= 1, num_computed_tokens >= 0")
             end = e.num_computed_tokens + e.num_new_tokens
             if end > s.seq_len:
                 raise ValueError(f"{e} writes up to position {end}, past seq_len {s.seq_len}; "

@@ -28,9 +28,11 @@ from kvcache_cases import (
     snapshot,
     write_all_layers,
 )
+from vmem_helpers import checked_drivers  # noqa: F401 - autouse: vmem drivers validate every call
 from vmkv import KVCacheFullError, StepSeq
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
+from vmkv.vmem.checked_driver import CheckedDriver
 
 NUM_HEADS = 4 * SPEC.num_kv_heads  # GQA: 4 query heads per KV head
 
@@ -51,6 +53,16 @@ def cache(case):
     c = case.make()
     yield c
     c.close()
+
+
+def test_vmem_cases_run_on_a_checked_driver():
+    """The one look behind the interface: vmem's driver is wrapped in CheckedDriver here (the
+    ``checked_drivers`` fixture), so a misused driver call fails the contract suite too."""
+    vmem_cases = [c for c in CASES if c.backend == "vmem"]
+    assert vmem_cases
+    for case in vmem_cases:
+        with case.make() as c:
+            assert isinstance(c.driver, CheckedDriver), case.name
 
 
 @pytest.fixture

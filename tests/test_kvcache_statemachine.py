@@ -42,9 +42,11 @@ from kvcache_cases import (
     one_torch_thread,
     pool_tokens,
 )
+from vmem_helpers import checked_drivers  # noqa: F401 - autouse: vmem drivers validate every call
 from vmkv import KVCacheFullError, StepSeq
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache import prefix as prefix_mod
+from vmkv.vmem.checked_driver import CheckedDriver
 
 STRONG_HASH = prefix_mod.hash_unit
 
@@ -101,6 +103,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache = self.case.make(**SM_LIMITS[self.case.name])
+        # vmem runs on a CheckedDriver (the checked_drivers fixture): driver misuse raises VMMError
+        assert self.case.backend != "vmem" or isinstance(self.cache.driver, CheckedDriver)
         u = self.cache.usage()
         self.unit = u.unit_tokens
         self.free0 = u.free_tokens

@@ -187,7 +187,7 @@ def test_fields_that_would_change_the_result_are_refused(server, case):
 SURROGATE_CASES = [
     ("chat_content", CHAT_URL, {"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages.0.content"),
     ("chat_content_part", CHAT_URL, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}]}, "messages.0.content"),
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}]}, "messages.0.content.1.text"),
     ("chat_name", CHAT_URL, {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, "messages.0.name"),
     ("completion_prompt", COMPLETIONS_URL, {"prompt": "the \ud800"}, "prompt"),
     ("prompt_list_element", COMPLETIONS_URL, {"prompt": ["the", "a \udc00"]}, "prompt"),

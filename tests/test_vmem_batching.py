@@ -17,7 +17,7 @@ from vmkv.engine.sampling_params import SamplingParams
 from vmkv.kvcache.base import KVCache
 from vmkv.vmem import HostDriver, VMemKVCache, VMMError
 from vmkv.vmem.checked_driver import CheckedDriver
-from vmkv.vmem import cache as cache_mod
+from vmkv.vmem import backing as backing_mod
 from vmkv.vmem.mapper import SlotMapper
 from vmem_helpers import checked_drivers, random_op  # noqa: F401 - checked_drivers is an autouse fixture
 
@@ -175,7 +175,7 @@ def _state(c):
 
 def test_batched_mapping_matches_page_by_page(layout, monkeypatch):
     def run(mapper_cls):
-        monkeypatch.setattr(cache_mod, "SlotMapper", mapper_cls)
+        monkeypatch.setattr(backing_mod, "SlotMapper", mapper_cls)
         drv = CountingDriver()
         c = VMemKVCache(SPEC, max_num_seqs=5, max_model_len=MAX_LEN, memory_bytes=12 * PPU[layout] * PAGE,
                         driver=drv, layout=layout)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vmkv import KVCacheFullError, KVCacheSpec
-from vmkv.vmem import cache as vmem_cache
+from vmkv.vmem import backing as vmem_backing
 from vmkv.vmem.checked_driver import CheckedDriver
 from vmkv.vmem.driver import get_driver
 
@@ -25,7 +25,7 @@ from vmkv.vmem.driver import get_driver
 def checked_drivers(monkeypatch):
     """Autouse where imported: a cache made with ``driver="auto"|"host"|"cuda"`` gets its driver
     wrapped in :class:`CheckedDriver` (every call validated, a mapping table to check against)."""
-    monkeypatch.setattr(vmem_cache, "get_driver", lambda *a, **kw: CheckedDriver(get_driver(*a, **kw)))
+    monkeypatch.setattr(vmem_backing, "get_driver", lambda *a, **kw: CheckedDriver(get_driver(*a, **kw)))
 
 
 def random_kv(spec: KVCacheSpec, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,13 +11,14 @@ the first write into a shared page copies it (copy-on-write).  See DESIGN.md, "v
 
 The sequence table, validation, prefix caching, written marks, the copy-on-write protocol and the
 ``prepare()`` skeleton are the shared core's (:class:`~vmkv.kvcache.core.KVCacheCore`); the page
-bookkeeping is the :class:`~vmkv.vmem.mapper.SlotMapper`'s.  This module holds the views and hooks.
+bookkeeping is the :class:`~vmkv.vmem.mapper.SlotMapper`'s (torch-free); ``backing.py`` builds the
+driver, layout, pool, mapper and views; ``stats.py`` holds usage, capacity and statistics.  This
+module holds the hooks.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Sequence
 
 import numpy as np
@@ -30,26 +31,17 @@ from vmkv.kvcache.metadata import build_metadata, step_token_positions
 from vmkv.kvcache.records import AttentionMetadata, StepSeq
 from vmkv.kvcache.seqtable import SeqState, check_count
 from vmkv.kvcache.spec import KVCacheSpec
-from vmkv.vmem.driver import VMMDriver, get_driver
-from vmkv.vmem.layout import LAYOUTS, make_layout
-from vmkv.vmem.mapper import Slot, SlotMapper
-from vmkv.vmem.page_pool import PagePool, out_of_memory_is_full
-from vmkv.vmem.placement import default_host_page_size as _host_page_size
+from vmkv.vmem.backing import build_backing, default_host_page_size
+from vmkv.vmem.driver import VMMDriver
+from vmkv.vmem.mapper import Slot
+from vmkv.vmem.options import ATTENTION_IMPLS
+from vmkv.vmem.page_pool import out_of_memory_is_full
 from vmkv.vmem.placement import pick_fork_slot, pick_slot
 from vmkv.vmem.stats import VMemStatsMixin
 
 __all__ = ["VMemKVCache", "SlotsExhaustedError", "default_host_page_size"]
 
 logger = logging.getLogger(__name__)
-
-_ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa")
-
-
-def default_host_page_size(layout: str, spec: KVCacheSpec, max_model_len: int) -> int:
-    """Host page size of ``layout``: see :func:`vmkv.vmem.placement.default_host_page_size`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown vmem layout {layout!r}; choose one of {list(LAYOUTS)}")
-    return _host_page_size(LAYOUTS[layout].token_bytes_in_row(spec), max_model_len)
 
 
 class VMemKVCache(VMemStatsMixin, KVCacheCore):
@@ -89,51 +81,18 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
                  attention_impl: str = "auto") -> None:
         super().__init__(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          memory_bytes=memory_bytes)
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown vmem layout {layout!r}; choose one of {list(LAYOUTS)}")
         self.lookahead_tokens = check_count("lookahead_tokens", lookahead_tokens, 0)
-        if attention_impl not in _ATTENTION_IMPLS:
-            raise ValueError(f"attention_impl must be one of {_ATTENTION_IMPLS}, got {attention_impl!r}")
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         self.attention_impl = attention_impl
-        self._owns_driver = isinstance(driver, str)
-        if self._owns_driver:
-            if page_size_bytes is None and (driver == "host" or (driver == "auto" and not spec.is_cuda)):
-                page_size_bytes = default_host_page_size(layout, spec, self.max_model_len)
-            drv = get_driver(driver, spec.torch_device, page_size_bytes)
-        else:
-            drv = driver
-            if page_size_bytes is not None and page_size_bytes != drv.page_size_bytes:
-                raise ValueError(f"page_size_bytes={page_size_bytes} disagrees with the given driver's "
-                                 f"{drv.page_size_bytes}; leave it None")
-        try:
-            if drv.device.type != spec.torch_device.type:
-                raise ValueError(f"driver {drv.name!r} serves {drv.device}, spec.device is {spec.device}")
-            self.layout = make_layout(layout, spec, self.max_num_seqs, self.max_model_len,
-                                      drv.page_size_bytes)
-            page = self.layout.page_size_bytes
-            max_pages = self.memory_bytes // page
-            if max_pages < self.layout.pages_per_unit:
-                raise ValueError(
-                    f"memory_bytes={self.memory_bytes} holds {max_pages} pages of {page} B; the "
-                    f"{layout} layout maps {self.layout.pages_per_unit} page(s) per token range; raise "
-                    f"memory_bytes to >= {self.layout.bytes_per_unit} or lower page_size_bytes")
-            self.pool = PagePool(drv, max_pages, preallocate, self.prefix)
-            self.mapper = SlotMapper(drv, self.layout, self.pool, self.prefix)
-            try:  # kernel launches receive guard addresses, never slot 0's (layout.py, "guard page")
-                #: one uint8 ``[reservation_bytes]`` tensor per reservation (the mapper is torch-free)
-                self.base_tensors = [drv.as_tensor(va, self.layout.reservation_bytes)
-                                     for va in self.mapper.bases]
-                self.layout.map_guards(drv, self.mapper.bases)
-            except BaseException:
-                self.mapper.close()
-                raise
-            self._k, self._v = self.layout.kv_views(self.base_tensors)
-            self._k_anchor, self._v_anchor = self.layout.kv_anchors(self.base_tensors)
-        except BaseException:
-            if self._owns_driver:
-                drv.close()
-            raise
-        self.driver = drv
+        b = build_backing(spec, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                          memory_bytes=self.memory_bytes, driver=driver, layout=layout,
+                          page_size_bytes=page_size_bytes, preallocate=preallocate, prefix=self.prefix)
+        self.driver, self._owns_driver, self.layout, self.pool, self.mapper = (
+            b.driver, b.owns_driver, b.layout, b.pool, b.mapper)
+        self.base_tensors, self._k, self._v = b.base_tensors, b.keys, b.values
+        self._k_anchor, self._v_anchor = b.key_anchors, b.value_anchors
+        max_pages, page = b.max_pages, b.layout.page_size_bytes
         self.unit_tokens = self.layout.unit_tokens
         self.enable_prefix_caching = bool(enable_prefix_caching) and self.unit_tokens > 0
         if enable_prefix_caching and not self.enable_prefix_caching:
@@ -143,19 +102,10 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         self._shared_used_bytes = 0     # bytes counted twice in the sum of seq_len (stats.py)
         self._init_core()
         self._warn_map_count(max_pages)
-        logger.info("vmem cache: %s, driver %s, %d pages max", self.layout.describe(), drv.name, max_pages)
+        logger.info("vmem cache: %s, driver %s, %d pages max", self.layout.describe(), self.driver.name,
+                    max_pages)
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def _seqs(self):
-        return self.seqs
-
-    def _free_tokens(self) -> int:
-        """Token positions the obtainable pages can back, pool-wide (not capped at max_model_len;
-        the same meaning as the paged backend's free blocks x block_size)."""
-        units = self.mapper.available_pages() // self.layout.pages_per_unit
-        return units * self.layout.page_size_bytes // self.layout.row_token_bytes
-
     def _map_ahead(self, slot: Slot, seq_len: int) -> None:
         if self.lookahead_tokens:
             target = min(self.max_model_len, seq_len + self.lookahead_tokens)
@@ -233,9 +183,6 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _units_overlapping(self, start: int, end: int) -> range:
         return self.layout.units_overlapping(start, end)
-
-    def _can_back(self, n: int) -> bool:
-        return self.layout.num_units(n) * self.layout.pages_per_unit <= self.mapper.available_pages()
 
     def _plan_cow(self, targets: list, layers, num_tokens: int) -> Room | None:
         if layers is None:

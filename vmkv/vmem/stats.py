@@ -79,6 +79,16 @@ class VMemStatsMixin:
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 
+    # ------------------------------------------------------------------ capacity
+    def _free_tokens(self) -> int:
+        """Token positions the obtainable pages can back, pool-wide (not capped at max_model_len;
+        the same meaning as the paged backend's free blocks x block_size)."""
+        units = self.mapper.available_pages() // self.layout.pages_per_unit
+        return units * self.layout.page_size_bytes // self.layout.row_token_bytes
+
+    def _can_back(self, n: int) -> bool:
+        return self.layout.num_units(n) * self.layout.pages_per_unit <= self.mapper.available_pages()
+
     # ------------------------------------------------------------------ usage counters
     # allocated pages are the page table's counter; used bytes are every sequence's bytes
     # (sum of seq_len, the core's counter) less the bytes counted twice: a page claimed by k

@@ -4,6 +4,8 @@
 - ``engine``: the engine on both backends, offline and online, each in a fresh process
   (:mod:`vmkv.compare.engine_bench`).
 - ``kernels``: the kernel microbenchmarks (:mod:`vmkv.compare.kernel_bench`), arguments passed through.
+- ``colocate``: two ``vmkv serve`` processes sharing one GPU under alternating bursts
+  (:mod:`vmkv.compare.colocate`).
 
 Each subcommand's module is imported only when that subcommand runs (STYLE.md rule 11).
 """
@@ -18,6 +20,7 @@ SUBCOMMANDS = {
     "alloc": ("vmkv.compare.alloc_cli", "allocator simulation: waste vs block/page size, no GPU needed"),
     "engine": ("vmkv.compare.engine_bench", "run the engine on both backends (offline and Poisson online)"),
     "kernels": ("vmkv.compare.kernel_bench", "kernel microbenchmarks (paged vs contiguous attention)"),
+    "colocate": ("vmkv.compare.colocate", "two servers on one GPU with alternating bursts (elastic KV memory)"),
 }
 
 

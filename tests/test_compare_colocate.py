@@ -1,0 +1,57 @@
+"""``vmkv compare colocate``: the parts that run without a GPU (the experiment itself runs on an H200;
+see docs/results/h200/colocate/)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vmkv.compare import colocate
+
+
+def test_parse_metrics_takes_unlabelled_kv_and_device_gauges():
+    text = """# HELP vmkv_kv_created_bytes x
+# TYPE vmkv_kv_created_bytes gauge
+vmkv_kv_created_bytes 4.194304e+06
+vmkv_kv_in_use_bytes 2097152.0
+vmkv_device_memory_used_bytes 1.5e9
+vmkv_requests_running 3.0
+vmkv_ttft_seconds_bucket{le="0.1"} 2.0
+vmkv_kv_broken notanumber
+"""
+    got = colocate.parse_metrics(text)
+    assert got == {"vmkv_kv_created_bytes": 4194304.0, "vmkv_kv_in_use_bytes": 2097152.0,
+                   "vmkv_device_memory_used_bytes": 1.5e9}
+
+
+def test_serve_command_passes_the_caps_and_the_elastic_options_only_to_vmem():
+    p = argparse.ArgumentParser()
+    colocate.add_arguments(p)
+    args = p.parse_args(["--backend", "vmem", "--kv-reserve", "128MiB", "--kv-shrink-grace-s", "1.5"])
+    cmd = colocate._serve_cmd(args, 18500, 3 << 30)
+    assert cmd[cmd.index("--kv-memory") + 1] == str(3 << 30)
+    assert cmd[cmd.index("--kv-reserve") + 1] == "128MiB"
+    assert cmd[cmd.index("--kv-shrink-grace-s") + 1] == "1.5"
+    assert cmd[cmd.index("--port") + 1] == "18500"
+    paged = colocate._serve_cmd(p.parse_args(["--backend", "paged"]), 18500, 1 << 30)
+    assert "--kv-reserve" not in paged and "--kv-shrink-grace-s" not in paged
+    assert paged[paged.index("--backend") + 1] == "paged"
+
+
+def test_without_a_gpu_it_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(colocate, "gpu_memory", lambda: {})
+    p = argparse.ArgumentParser()
+    colocate.add_arguments(p)
+    assert colocate.run(p.parse_args(["--out", str(tmp_path)])) == 2
+
+
+def test_the_serve_command_parses(monkeypatch):
+    """Every flag the script passes is one `vmkv serve` accepts (parsed by the real parser)."""
+    from vmkv.server import cli as server_cli
+    p = argparse.ArgumentParser()
+    colocate.add_arguments(p)
+    for backend in ("vmem", "paged"):
+        cmd = colocate._serve_cmd(p.parse_args(["--backend", backend]), 18500, 2 << 30)
+        parser = argparse.ArgumentParser()
+        server_cli.add_arguments(parser)
+        ns = parser.parse_args(cmd[cmd.index("serve") + 1:])
+        assert ns.backend == backend and ns.memory_bytes == 2 << 30

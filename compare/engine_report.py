@@ -8,12 +8,13 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.metrics import inter_token_latencies
 
-__all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows"]
+__all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows", "memory_series"]
 
 SERVING_COLUMNS = ["scenario", "backend", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                    "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput"]
-MEMORY_COLUMNS = ["scenario", "backend", "KV alloc peak", "mapped peak", "waste %", "B/used tok", "max seqs",
-                  "preempt", "hit %", "alloc %", "prefetch %", "alloc us p99", "map us p50/99", "unmap us p50/99", "device peak"]
+MEMORY_COLUMNS = ["scenario", "backend", "KV alloc peak", "mapped peak", "created peak/final", "waste %", "B/used tok",
+                  "max seqs", "preempt", "hit %", "alloc %", "prefetch %", "alloc us p99", "map us p50/99",
+                  "unmap us p50/99", "device peak"]
 RATIO_COLUMNS = ["scenario", "ratio", "out tok/s", "TTFT p50", "TPOT p50", "E2E p50", "peak mapped", "max seqs"]
 
 _f = report.fmt_num
@@ -50,13 +51,20 @@ def serving_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
+def _created(m: dict) -> str:
+    """``peak/final`` physical KV bytes created (``-`` for results written before they were sampled)."""
+    if "peak_created_bytes" not in m:
+        return "-"
+    return f"{report.fmt_size(m['peak_created_bytes'], 1)}/{report.fmt_size(m['final_created_bytes'], 1)}"
+
+
 def memory_rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     for r in _ok(runs):
         m, a = r["memory"], r["allocation"]
         v = vmm_latency(r)
         rows.append([r["scenario"], r["backend"], report.fmt_size(m["peak_allocated_bytes"], 1),
-                     report.fmt_size(m["peak_mapped_bytes"], 1), _f(m["waste_pct_mean"]),
+                     report.fmt_size(m["peak_mapped_bytes"], 1), _created(m), _f(m["waste_pct_mean"]),
                      _f(m["bytes_per_used_token_at_peak"], 0), str(m["max_concurrent_seqs"]), str(m["preemptions"]),
                      _f(100 * m["prefix_hit_rate"], 1), _f(a["alloc_share_pct"], 3),
                      _f(a["prefetch_share_pct"], 3) if "prefetch_share_pct" in a else "-",
@@ -119,6 +127,20 @@ def _latency_series(raw: dict) -> dict[str, list[float]]:
     return {"TTFT (ms)": ttft, "TPOT (ms)": tpot, "ITL (ms)": itl, "E2E (ms)": e2e}
 
 
+def memory_series(raw: dict) -> dict[str, list]:
+    """A run's per-step memory samples (``raw["steps"]``) merged in time order with those taken while it
+    waited for arrivals (``raw["idle_memory"]``), for :func:`report.plot_memory_timeline`; the steps
+    alone for results written before idle samples existed."""
+    steps, idle = raw["steps"], raw.get("idle_memory") or {}
+    if not idle.get("t_s"):
+        return steps
+    keys = [k for k in idle if k in steps]
+    rows = sorted([tuple(steps[k][i] for k in keys) for i in range(len(steps["t_s"]))]
+                  + [tuple(idle[k][i] for k in keys) for i in range(len(idle["t_s"]))],
+                  key=lambda row: row[keys.index("t_s")])
+    return {k: [row[j] for row in rows] for j, k in enumerate(keys)}
+
+
 def _plots(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
     paths = []
     ok = [r for r in runs if "raw" in r]
@@ -128,7 +150,7 @@ def _plots(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
                   for i, r in enumerate(group)]
         paths.append(report.plot_latency_cdfs({lb: _latency_series(r["raw"]) for lb, r in zip(labels, group)},
                                               out_dir / f"latency_cdf_{scenario}.png", f"{title}; {scenario}"))
-        paths.append(report.plot_memory_timeline({lb: r["raw"]["steps"] for lb, r in zip(labels, group)},
+        paths.append(report.plot_memory_timeline({lb: memory_series(r["raw"]) for lb, r in zip(labels, group)},
                                                  out_dir / f"kv_memory_{scenario}.png", f"{title}; {scenario}"))
     online = [r for r in _ok(runs) if r["scenario"] != "offline"]
     if online:
@@ -185,7 +207,11 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
     md += ["Definitions (sizes in powers of 1024: K = KiB, M = MiB, G = GiB): TTFT arrival to first token; TPOT (E2E - TTFT) / (output tokens - 1); ITL gaps between "
            "token steps; waste % = (allocated - used) / allocated averaged over steps; alloc share = time in the "
            "cache's allocate/extend/fork/free / step time; prefetch % = time in the cache's prefetch (maps ahead while the GPU "
-           "runs the forward, off the critical path) / step time. Raw samples: `raw/*.json`.", ""]
+           "runs the forward, off the critical path) / step time; created = physical KV memory that exists (vmem: "
+           "pages created and not released; paged: its static pool), peak over the run / at its last step; device "
+           "peak = device memory in use (CUDA: total - free; CPU: process RSS). Plot `kv_memory_<scenario>.png`: KV "
+           "memory over time (created, mapped, in use, idle per backend) next to device memory in use. Raw samples: "
+           "`raw/*.json`.", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out_dir / "summary.md").write_text("\n".join(md) + "\n")
     console.print(f"wrote {out_dir}/results.json, summary.md, raw/, {len(plots)} plots")

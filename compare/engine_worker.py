@@ -9,7 +9,9 @@ drives the engine:
 - online: requests are added when the wall clock reaches their (Poisson/gamma) arrival time, with
   that arrival time, so TTFT includes queueing.
 
-After every step it samples the KV cache's :class:`~vmkv.kvcache.CacheUsage` and the engine's stats.
+After every step it samples the KV cache's :class:`~vmkv.kvcache.CacheUsage`, the engine's stats and the
+physical KV memory held (:mod:`vmkv.engine.kv_memory`: created / mapped / in use / idle bytes) next to
+the device memory in use, with the seconds since the start, so the report plots memory following the load.
 Progress goes to stdout as JSON lines (``{"event": "progress", "done": k, "total": n}``); logs go to
 stderr; the result (summary plus every raw sample) is written to ``OUT.json``.
 """
@@ -27,12 +29,25 @@ import numpy as np
 from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics, summarize
 from vmkv.compare.report import write_json
 from vmkv.compare.workloads import Request, WorkloadSpec, fingerprint, generate
+from vmkv.engine.kv_memory import created_bytes, device_memory_used_bytes
 
 logger = logging.getLogger(__name__)
 
-#: columns sampled after every step (``steps`` in the raw output)
+#: columns sampled after every step (``steps`` in the raw output).  ``t_s``: seconds since the run's
+#: start; ``created_bytes`` / ``mapped_bytes`` / ``in_use_bytes`` / ``idle_bytes``: physical KV memory
+#: that exists / is mapped / is claimed by live sequences (= ``allocated_bytes``) / exists but backs no
+#: live sequence; ``device_used_bytes``: device memory in use (CUDA: total - free; CPU: process RSS).
 STEP_COLUMNS = ("t_s", "step_s", "alloc_s", "num_running", "num_waiting", "num_seqs", "used_tokens",
-                "allocated_bytes", "mapped_bytes", "waste_bytes", "free_tokens", "device_used_bytes")
+                "allocated_bytes", "mapped_bytes", "waste_bytes", "free_tokens", "created_bytes", "in_use_bytes",
+                "idle_bytes", "device_used_bytes")
+
+#: columns sampled while the engine waits for the next arrival (online runs; ``idle_memory`` in the raw
+#: output, at most every ``STATS_INTERVAL_S``): the memory a backend gives back between bursts shows there
+IDLE_COLUMNS = ("t_s", "created_bytes", "mapped_bytes", "in_use_bytes", "idle_bytes", "device_used_bytes")
+
+#: ``backend_stats()`` (where vmem's created-page count comes from) summarises its latency samples, so
+#: it is read at most this often; between reads ``created_bytes`` is the last read, never below mapped
+STATS_INTERVAL_S = 0.05
 
 
 def _emit(event: dict) -> None:
@@ -48,27 +63,44 @@ class _Sampler:
         self.cols = {c: [] for c in STEP_COLUMNS}
         self.overhead_s = 0.0
         self.max_running = 0
+        self.idle_cols = {c: [] for c in IDLE_COLUMNS}
+        self._stats: dict = {}
+        self._stats_t = -float("inf")
 
-    def sample(self) -> None:
+    def _created(self, usage, now: float, final: bool) -> int:
+        if final or now - self._stats_t >= STATS_INTERVAL_S:
+            self._stats, self._stats_t = self.engine.kv_cache.backend_stats(), now
+        return created_bytes(usage, self._stats)
+
+    def sample_idle(self) -> None:
+        """Append one ``idle_memory`` row (no step ran): at most every ``STATS_INTERVAL_S``."""
+        t0 = time.perf_counter()
+        ts = self.idle_cols["t_s"]
+        if ts and t0 - self.start - ts[-1] < STATS_INTERVAL_S:
+            return
+        u = self.engine.kv_cache.usage()
+        created = self._created(u, t0, final=True)
+        row = (t0 - self.start, created, u.mapped_bytes, u.allocated_bytes, max(0, created - u.allocated_bytes),
+               device_memory_used_bytes(self.cuda_device))
+        for c, v in zip(IDLE_COLUMNS, row):
+            self.idle_cols[c].append(v)
+        self.overhead_s += time.perf_counter() - t0
+
+    def sample(self, final: bool = False) -> None:
+        """Append one row; ``final`` reads ``backend_stats()`` whatever its age (the last row is exact)."""
         t0 = time.perf_counter()
         st = self.engine.get_stats()
         u = st.kv_usage
+        created = self._created(u, t0, final)
         row = (t0 - self.start, st.last_step_time_s, st.alloc_time_s_total - self.prev_alloc_s, st.num_running,
                st.num_waiting, u.num_seqs, u.used_tokens, u.allocated_bytes, u.mapped_bytes, u.waste_bytes,
-               u.free_tokens, self._device_used())
+               u.free_tokens, created, u.allocated_bytes, max(0, created - u.allocated_bytes),
+               device_memory_used_bytes(self.cuda_device))
         self.prev_alloc_s = st.alloc_time_s_total
         self.max_running = max(self.max_running, st.num_running)
         for c, v in zip(STEP_COLUMNS, row):
             self.cols[c].append(v)
         self.overhead_s += time.perf_counter() - t0
-
-    def _device_used(self) -> int:
-        if self.cuda_device is None:
-            return 0
-        import torch
-
-        free, total = torch.cuda.mem_get_info(self.cuda_device)
-        return int(total - free)
 
 
 def _params(req: Request, temperature: float):
@@ -107,6 +139,8 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
             engine.add_request(r.request_id, None, _params(r, temperature), prompt_token_ids=r.prompt_token_ids,
                                arrival_time=start + r.arrival_s if online else start)
         if not engine.has_unfinished_requests():
+            if sampler is not None:
+                sampler.sample_idle()
             time.sleep(max(0.0, min(0.05, pending[0].arrival_s - (time.perf_counter() - start))))
             continue
         for out in engine.step():
@@ -115,7 +149,7 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
                 if on_finish:
                     on_finish(len(finished))
         if sampler is not None:
-            sampler.sample()
+            sampler.sample(final=not pending and not engine.has_unfinished_requests())
     return finished, start, time.perf_counter()
 
 
@@ -240,6 +274,13 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "cow_copies": u1.num_cow_copies - u0.num_cow_copies,
         "unit_tokens": u1.unit_tokens,
         "device_used_bytes_peak": int(max(cols["device_used_bytes"], default=0)),
+        "device_used_bytes_final": int(cols["device_used_bytes"][-1]) if cols["device_used_bytes"] else 0,
+        "device_memory_kind": "cuda mem_get_info total - free" if cuda_device else "process RSS",
+        # physical KV memory held (vmem's shrink makes the final figure fall below the peak)
+        "peak_created_bytes": int(max(cols["created_bytes"] + sampler.idle_cols["created_bytes"], default=0)),
+        "final_created_bytes": int(cols["created_bytes"][-1]) if cols["created_bytes"] else 0,
+        "final_in_use_bytes": int(cols["in_use_bytes"][-1]) if cols["in_use_bytes"] else 0,
+        "peak_idle_bytes": int(max(cols["idle_bytes"], default=0)),
         "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
     }
     vmm, vmm_raw = _vmm_delta(stats0, stats1, samples1)
@@ -282,7 +323,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "output_len_mismatches": mismatches,
         "finish_reasons": dict(reasons),
         "raw": {"requests": [_raw_record(rec, start, by_id[rec.request_id]) for rec in records], "steps": cols,
-                "vmm_samples_us": vmm_raw},
+                "idle_memory": sampler.idle_cols, "vmm_samples_us": vmm_raw},
     }
     engine.close()
     return result

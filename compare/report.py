@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "environment", "to_jsonable", "write_json", "make_table", "markdown_table", "progress",
     "fmt_bytes", "fmt_num", "fmt_size", "console", "plot_waste_vs_unit", "plot_latency_cdfs", "plot_throughput_vs_rate",
-    "plot_memory_timeline",
+    "plot_memory_timeline", "MEMORY_TIMELINE_QUANTITIES",
 ]
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -298,21 +298,47 @@ def plot_throughput_vs_rate(points: dict[str, list[tuple[float, float, float]]],
     return _finish(fig, (ax1, ax2), path, title, 8)
 
 
+#: the KV quantities of :func:`plot_memory_timeline`, with their line style
+MEMORY_TIMELINE_QUANTITIES = (("created_bytes", "created", "-"), ("mapped_bytes", "mapped", "--"),
+                              ("in_use_bytes", "in use", ":"), ("idle_bytes", "idle", "-."))
+
+
+def _byte_unit(top: float) -> tuple[str, int]:
+    return next(((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20)) if top >= k), ("KiB", 1 << 10))
+
+
 def plot_memory_timeline(series: dict[str, dict[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
-    """KV bytes allocated and mapped over the run.
+    """KV memory over time: physical KV bytes created, mapped, in use and idle (left; one colour per
+    label, one line style per quantity) and the device memory in use (right), x = seconds since start.
 
     Args:
-        series: ``{label: {"t_s": [...], "allocated_bytes": [...], "mapped_bytes": [...]}}``.
+        series: ``{label: {"t_s": [...], "created_bytes": [...], "mapped_bytes": [...], "in_use_bytes":
+            [...], "idle_bytes": [...], "device_used_bytes": [...]}}`` (a run's ``raw["steps"]``); a
+            missing quantity is skipped, and ``allocated_bytes`` stands in for a missing ``in_use_bytes``
+            (results written before these columns existed).
     """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    top = max((max(s["mapped_bytes"] + s["allocated_bytes"], default=0) for s in series.values()), default=0)
-    unit, scale = next(((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20)) if top >= k), ("KiB", 1 << 10))
-    for i, (label, s) in enumerate(series.items()):
-        color = f"C{i}"
-        ax.plot(s["t_s"], [b / scale for b in s["allocated_bytes"]], color=color, label=f"{label} allocated")
-        ax.plot(s["t_s"], [b / scale for b in s["mapped_bytes"]], color=color, ls="--",
-                label=f"{label} mapped")
+    fig, (ax, ax_dev) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    quantities = MEMORY_TIMELINE_QUANTITIES
+    cols = {label: {**({"in_use_bytes": s["allocated_bytes"]} if "allocated_bytes" in s else {}), **s}
+            for label, s in series.items()}
+    top = max((max(s.get(k) or [0]) for s in cols.values() for k, _, _ in quantities), default=0)
+    unit, scale = _byte_unit(top)
+    for i, (label, s) in enumerate(cols.items()):
+        for key, name, ls in quantities:
+            if s.get(key):
+                ax.plot(s["t_s"], [b / scale for b in s[key]], color=f"C{i}", ls=ls, lw=1.3,
+                        drawstyle="steps-post", label=f"{label} {name}")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel(f"KV memory ({unit})")
-    return _finish(fig, [ax], path, title, 7, figure_title=False)
+    ax.set_title("KV memory over time" + (f"; {title}" if title else ""), fontsize=10)
+    top_dev = max((max(s.get("device_used_bytes") or [0]) for s in cols.values()), default=0)
+    dunit, dscale = _byte_unit(top_dev)
+    for i, (label, s) in enumerate(cols.items()):
+        if s.get("device_used_bytes"):
+            ax_dev.plot(s["t_s"], [b / dscale for b in s["device_used_bytes"]], color=f"C{i}", lw=1.3,
+                        drawstyle="steps-post", label=f"{label} device used")
+    ax_dev.set_xlabel("time since start (s)")
+    ax_dev.set_ylabel(f"device memory in use ({dunit})")
+    ax_dev.set_title("device memory (CUDA: total - free; CPU: RSS)", fontsize=10)
+    return _finish(fig, [ax, ax_dev], path, "", 7)

@@ -39,6 +39,20 @@ def test_compare_engine_tiny_both_backends(tmp_path):
         assert r["allocation"]["step_time_s"] > r["allocation"]["alloc_time_s"] >= 0
         raw = json.loads((out / r["raw_file"]).read_text())["raw"]
         assert len(raw["requests"]) == 4 and len(raw["steps"]["t_s"]) == r["timing"]["num_steps"]
+        # physical KV memory held over time, every step kept: created >= mapped, in use + idle = created
+        steps = raw["steps"]
+        assert all(len(steps[c]) == len(steps["t_s"]) for c in
+                   ("created_bytes", "mapped_bytes", "in_use_bytes", "idle_bytes", "device_used_bytes"))
+        assert steps["t_s"] == sorted(steps["t_s"]) and steps["t_s"][0] >= 0
+        for c, mp, iu, idle, al, dev in zip(steps["created_bytes"], steps["mapped_bytes"], steps["in_use_bytes"],
+                                            steps["idle_bytes"], steps["allocated_bytes"], steps["device_used_bytes"]):
+            assert m["capacity_bytes"] >= c >= mp and iu == al and idle == c - iu >= 0 and dev > 0  # CPU: RSS
+        assert max(steps["in_use_bytes"]) == m["peak_allocated_bytes"] > 0
+        assert m["peak_created_bytes"] == max(steps["created_bytes"]) >= m["final_created_bytes"] > 0
+        assert m["final_created_bytes"] == steps["created_bytes"][-1] and m["final_in_use_bytes"] == 0
+        assert m["device_used_bytes_peak"] > 0 and m["device_memory_kind"] == "process RSS"
+        if backend == "paged":     # a static pool exists whole from the start
+            assert set(steps["created_bytes"]) == {m["capacity_bytes"]}
     vmm = runs["vmem"]["allocation"]["vmm"]
     assert vmm["num_maps_run"] > 0 and vmm["map_us"]["n"] == vmm["num_maps_run"]
     assert runs["paged"]["allocation"]["vmm"] is None
@@ -49,7 +63,27 @@ def test_compare_engine_tiny_both_backends(tmp_path):
     vmem_stats = runs["vmem"]["allocation"]["backend_stats"]
     assert vmem_stats["num_maps_run"] == vmm["num_maps_run"] and vmem_stats["layout"] == "megacache"
     assert (out / "summary.md").read_text().count("| offline |") >= 3
-    assert (out / "latency_cdf_offline.png").stat().st_size > 0 and (out / "kv_memory_offline.png").exists()
+    assert (out / "latency_cdf_offline.png").stat().st_size > 0 and (out / "kv_memory_offline.png").stat().st_size > 0
+    assert "created peak/final" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_compare_engine_online_samples_memory_while_idle(tmp_path):
+    """Between arrivals no step runs: the worker keeps sampling the KV memory held (``idle_memory``),
+    so the timeline shows what a backend gives back between bursts."""
+    out = tmp_path / "res"
+    rc = main(["compare", "engine", "--backends", "vmem", "--model", "tiny", "--device", "cpu",
+               "--num-requests", "3", "--input-len", "8..16", "--output-len", "2", "--request-rate", "4",
+               "--warmup-requests", "0", "--torch-threads", "1", "--max-num-seqs", "4", "--out", str(out)])
+    assert rc == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    raw = json.loads((out / run["raw_file"]).read_text())["raw"]
+    idle = raw["idle_memory"]
+    assert len(idle["t_s"]) >= 1 and all(len(v) == len(idle["t_s"]) for v in idle.values())
+    assert all(c >= m and i == c - u for c, m, u, i in zip(idle["created_bytes"], idle["mapped_bytes"],
+                                                            idle["in_use_bytes"], idle["idle_bytes"]))
+    assert run["memory"]["peak_created_bytes"] >= max(idle["created_bytes"])
+    assert (out / "kv_memory_rate-4.png").stat().st_size > 0
 
 
 def _fake_worker(calls):

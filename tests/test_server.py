@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from server_helpers import (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     SERVED,
+    VMEM_PAGE_SIZE_BYTES,
     RunningServer,
     make_tiny_model,
     sse_events,
@@ -72,6 +74,51 @@ def test_models_health_and_metrics_format(server):
                  "vmkv_num_preemptions_total", "vmkv_prefix_cache_hit_rate"):
         assert name in m, name
     assert m["vmkv_kv_capacity_bytes"] > 0
+
+
+KV_MEMORY_GAUGES = ("vmkv_kv_created_bytes", "vmkv_kv_mapped_bytes", "vmkv_kv_in_use_bytes", "vmkv_kv_idle_bytes",
+                    "vmkv_device_memory_used_bytes")
+
+
+def _check_kv_memory(server, m: dict) -> None:
+    created, mapped, in_use, idle = (m[f"vmkv_kv_{k}_bytes"] for k in ("created", "mapped", "in_use", "idle"))
+    assert m["vmkv_kv_capacity_bytes"] >= created >= mapped >= 0 and created >= in_use >= 0
+    assert idle == created - in_use and in_use == m["vmkv_kv_allocated_bytes"]
+    assert m["vmkv_device_memory_used_bytes"] > 0          # CPU: the server process's RSS
+    if server.backend == "paged":                          # a static pool: all of it exists
+        assert created == m["vmkv_kv_capacity_bytes"]
+    else:                                                  # pages created on demand, whole pages
+        assert created % VMEM_PAGE_SIZE_BYTES == 0
+
+
+def test_metrics_kv_memory_held_next_to_device_memory(server):
+    """/metrics reports the physical KV bytes held (created, mapped, in use, idle) next to the device
+    memory in use, read fresh at every scrape: in use rises while a request runs and is idle after."""
+    done = threading.Event()
+
+    def run():
+        try:
+            server.client.completions.create(model=SERVED, prompt="hello world", max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        finally:
+            done.set()
+
+    seen_in_use = 0.0
+    with server.slowed(0.02):
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        while not done.is_set():
+            m = server.metrics()
+            assert all(name in m for name in KV_MEMORY_GAUGES), sorted(m)
+            _check_kv_memory(server, m)
+            seen_in_use = max(seen_in_use, m["vmkv_kv_in_use_bytes"])
+            time.sleep(0.02)
+        t.join(30)
+    assert seen_in_use > 0
+    m = server.wait_kv_idle()
+    _check_kv_memory(server, m)
+    # idle after the request (vmem may already have given some of it back: created can only be lower)
+    assert m["vmkv_kv_in_use_bytes"] == 0 and m["vmkv_kv_idle_bytes"] == m["vmkv_kv_created_bytes"]
 
 
 def test_chat_completion(server, tokenizer):

@@ -29,7 +29,7 @@ from vmkv.server.async_engine import (
     RequestStream,
 )
 from vmkv.server.errors import OpenAIError, error_response, install_error_handlers
-from vmkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from vmkv.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine_state
 from vmkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -271,7 +271,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     @app.get("/metrics")
     async def prometheus() -> Response:
         try:
-            metrics.set_engine_stats(await async_engine.get_stats())
+            metrics.set_engine_stats(*await async_engine.call(read_engine_state))
         except (EngineDeadError, EngineShutdownError):
             metrics.set_engine_stats(None)
         return Response(metrics.render(), media_type=CONTENT_TYPE)

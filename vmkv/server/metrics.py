@@ -2,9 +2,11 @@
 
 Two kinds:
 
-* engine state, read at scrape time from a fresh ``engine.get_stats()`` snapshot (taken on the engine
-  thread by the ``/metrics`` handler): KV used tokens, allocated / mapped / reserved / waste / capacity
-  bytes, running and waiting requests, preemptions, prefix-cache hit rate, steps;
+* engine state, read at scrape time from a fresh ``engine.get_stats()`` snapshot and a fresh
+  :class:`~vmkv.engine.kv_memory.KVMemory` reading (both taken on the engine thread by the ``/metrics``
+  handler, :func:`read_engine_state`): KV used tokens, allocated / mapped / reserved / waste / capacity
+  bytes, the physical KV bytes held (created, in use, idle) next to the device memory in use, running
+  and waiting requests, preemptions, prefix-cache hit rate, steps;
 * per-request observations made when a request finishes (on the engine thread; prometheus_client is
   thread-safe): time to first token, inter-token latency, end-to-end latency, token counters and
   requests by finish reason.
@@ -21,7 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE"]
+from vmkv.engine.kv_memory import KVMemory, read_kv_memory
+
+__all__ = ["ServerMetrics", "CONTENT_TYPE", "read_engine_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,12 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.
 _E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
+def read_engine_state(engine: Any) -> tuple[Any, KVMemory]:
+    """``(engine.get_stats(), KVMemory of its cache)`` read now; run it on the engine thread
+    (``AsyncEngine.call``), between two steps."""
+    return engine.get_stats(), read_kv_memory(engine.kv_cache, engine.device)
+
+
 class _EngineCollector(Collector):
     """Turns the last ``EngineStats`` snapshot into metric families at scrape time."""
 
@@ -42,6 +52,7 @@ class _EngineCollector(Collector):
         self.backend = backend
         self.model = model
         self.stats: Any = None
+        self.kv_memory: KVMemory | None = None
 
     def collect(self) -> Iterable[Any]:
         info = InfoMetricFamily("vmkv_server", "Served model and KV backend")
@@ -85,6 +96,16 @@ class _EngineCollector(Collector):
         yield counter("vmkv_kv_alloc_time_seconds", "Wall time spent allocating KV", s.alloc_time_s_total)
         yield gauge("vmkv_max_concurrent_seqs", "Most sequences ever running at once",
                     s.max_concurrent_seqs)
+        m = self.kv_memory
+        if m is None:
+            return
+        yield gauge("vmkv_kv_created_bytes", "Physical KV bytes that exist now (vmem: pages created and "
+                    "not released; paged: the static pool)", m.created_bytes)
+        yield gauge("vmkv_kv_in_use_bytes", "Physical KV bytes claimed by live sequences", m.in_use_bytes)
+        yield gauge("vmkv_kv_idle_bytes", "Physical KV bytes held but backing no live sequence "
+                    "(created - in use: the reserve)", m.idle_bytes)
+        yield gauge("vmkv_device_memory_used_bytes", "Device memory in use (CUDA: total - free, every "
+                    "process; CPU: this process's resident set)", m.device_used_bytes)
 
 
 class ServerMetrics:
@@ -114,9 +135,11 @@ class ServerMetrics:
         self.http_requests = Counter("vmkv_http_requests", "HTTP requests by endpoint and status",
                                      ["endpoint", "status"], registry=r)
 
-    def set_engine_stats(self, stats: Any) -> None:
-        """Remember the ``EngineStats`` snapshot exported at the next scrape."""
+    def set_engine_stats(self, stats: Any, kv_memory: KVMemory | None = None) -> None:
+        """Remember the ``EngineStats`` snapshot and the :class:`KVMemory` reading exported at the
+        next scrape (``None``: export neither)."""
         self._engine.stats = stats
+        self._engine.kv_memory = kv_memory if stats is not None else None
 
     def observe_finished(self, out: Any) -> None:
         """Record one finished ``RequestOutput`` (called on the engine thread)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
-from vmkv.engine.args import option_choices, option_help, parse_size
+from vmkv.engine.args import option_choices, option_help, parse_size, size_or_zero
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
 
@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=option_help("lookahead_tokens"))
     e.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
                    help=option_help("preallocate"))
+    e.add_argument("--kv-reserve", dest="kv_reserve_bytes", type=size_or_zero, default=cc.kv_reserve_bytes,
+                   metavar="SIZE", help=option_help("kv_reserve_bytes"))
+    e.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
+                   help=option_help("kv_shrink_grace_s"))
     e.add_argument("--no-prefix-caching", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
@@ -108,7 +112,8 @@ def scenario_name(rate: float) -> str:
 #: engine_bench flag (argparse dest) -> the backend option it sets
 _BACKEND_FLAGS = {"block_size": "block_size", "page_size": "page_size_bytes", "layout": "layout",
                   "driver": "driver", "attention_impl": "attention_impl", "lookahead_tokens": "lookahead_tokens",
-                  "preallocate": "preallocate"}
+                  "preallocate": "preallocate", "kv_reserve_bytes": "kv_reserve_bytes",
+                  "kv_shrink_grace_s": "kv_shrink_grace_s"}
 
 
 def backend_knobs(args) -> dict[str, object]:

@@ -25,6 +25,7 @@ ENGINE_FLAGS = [
     "--memory-bytes", "64MiB", "--block-size", "32", "--page-size-bytes", "128KiB",
     "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa", "--lookahead-tokens", "32",
     "--preallocate", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+    "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5",
 ]
 EXPECTED_KWARGS = dict(
     model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
@@ -32,6 +33,7 @@ EXPECTED_KWARGS = dict(
     gpu_memory_utilization=CacheConfig().gpu_memory_utilization, block_size=32,
     page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
     lookahead_tokens=32, preallocate=True, enable_prefix_caching=False, enable_chunked_prefill=False,
+    kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5,
 )
 
 
@@ -64,7 +66,7 @@ def test_parse_size_error_through_argparse(capsys):
     add_engine_args(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--memory-bytes", "lots"])
-    assert "argument --memory-bytes: not a size: 'lots'" in capsys.readouterr().err
+    assert "argument --kv-memory/--memory-bytes: not a size: 'lots'" in capsys.readouterr().err
 
 
 def test_defaults_come_from_the_configs():
@@ -80,6 +82,7 @@ def test_defaults_come_from_the_configs():
         block_size=cc.block_size, page_size_bytes=cc.page_size_bytes, layout=cc.layout,
         driver=cc.driver, attention_impl=cc.attention_impl, lookahead_tokens=cc.lookahead_tokens,
         preallocate=cc.preallocate, enable_prefix_caching=cc.enable_prefix_caching,
+        kv_reserve_bytes=cc.kv_reserve_bytes, kv_shrink_grace_s=cc.kv_shrink_grace_s,
         enable_chunked_prefill=sc.enable_chunked_prefill)
     assert p.parse_args([]).threads is None           # torch's own thread count is left alone
     # the kwargs build a valid config as they are
@@ -97,7 +100,8 @@ def test_both_clis_take_the_same_engine_flags(module, extra):
     # the typed options the engine hands to create_kv_cache carry every backend flag
     assert cfg.cache.backend_options() == VMemOptions(
         driver="host", layout="per_layer", page_size_bytes=128 << 10, enable_prefix_caching=False,
-        attention_impl="sdpa", lookahead_tokens=32, preallocate=True)
+        attention_impl="sdpa", lookahead_tokens=32, preallocate=True, kv_reserve_bytes=1 << 20,
+        kv_shrink_grace_s=2.5)
 
 
 @pytest.mark.parametrize("module, extra", [("vmkv.server.cli", []), ("vmkv.engine.cli", ["--prompt", "x"])])

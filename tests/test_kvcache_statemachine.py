@@ -17,6 +17,7 @@ legal for a prefix some sequence wrote, and every gathered K/V must equal the sh
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -102,7 +103,11 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = self.case.make(**SM_LIMITS[self.case.name])
+        case = self.case
+        if case.backend == "vmem":   # elastic shrink at once, down to a one-page reserve
+            case = dataclasses.replace(case, options={**case.options, "kv_shrink_grace_s": 0,
+                                                      "kv_reserve_bytes": case.options["page_size_bytes"]})
+        self.cache = case.make(**SM_LIMITS[self.case.name])
         # vmem runs on a CheckedDriver (the checked_drivers fixture): driver misuse raises VMMError
         assert self.case.backend != "vmem" or isinstance(self.cache.driver, CheckedDriver)
         u = self.cache.usage()
@@ -284,6 +289,24 @@ class KVCacheMachine(RuleBasedStateMachine):
             n = data.draw(st.integers(1, sh.seq_len - c), label="new")
             batch.append(StepSeq(sid, c, n))
         self.run_step(batch)
+
+    @precondition(lambda self: self.case.backend == "vmem" and self.cache.mapper.num_idle_pages() > 1)
+    @rule()
+    def release_idle(self) -> None:
+        """Elastic shrink (grace 0, one-page reserve): idle pages beyond the reserve go back to the
+        driver; live sequences keep their K/V (the invariant gathers it), cached prefixes whose pages
+        went are misses afterwards (``allocate`` checks every hit against what was written)."""
+        mapper, page = self.cache.mapper, self.cache.page_size_bytes
+        idle, created = mapper.num_idle_pages(), mapper.pool.num_created
+        claimed = mapper.table.num_claimed_pages
+        free_before = self.cache.usage().free_tokens
+        released = self.cache.release_idle()
+        assert released % page == 0
+        # host driver: no fence is ever pending, so everything beyond the reserve goes
+        assert mapper.num_idle_pages() == min(idle, 1), (idle, mapper.num_idle_pages())
+        assert mapper.pool.num_created == created - released // page
+        assert mapper.table.num_claimed_pages == claimed
+        assert self.cache.usage().free_tokens == free_before
 
     def run_step(self, batch: list[StepSeq]) -> None:
         """prepare + write_kv on every layer + attention of layer 0, checked against the shadow."""

@@ -27,7 +27,7 @@ from typing import Any
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
 
-__all__ = ["parse_size", "add_engine_args", "engine_kwargs", "apply_threads", "option_choices",
+__all__ = ["parse_size", "size_or_zero", "add_engine_args", "engine_kwargs", "apply_threads", "option_choices",
            "option_help"]
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
@@ -70,6 +70,11 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+def size_or_zero(text: str | int) -> int:
+    """:func:`parse_size`, and ``0`` (e.g. ``--kv-reserve 0``)."""
+    return 0 if str(text).strip() in ("0", "0B", "0b") else parse_size(text)
+
+
 def option_choices(name: str) -> tuple[str, ...]:
     """The ``choices`` of the backend option ``name`` (``"layout"``, ``"driver"``,
     ``"attention_impl"``): the name list of the options class that owns it, read through the registry
@@ -104,16 +109,17 @@ def positive_int(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine options to ``parser`` in two groups: "model" (``--model --backend --device
     --dtype --random-weights --seed --threads``) and "KV cache and scheduler" (``--max-num-seqs
-    --max-num-batched-tokens --max-model-len --memory-bytes | --gpu-memory-utilization --block-size
-    --page-size-bytes --layout --driver --attention-impl --lookahead-tokens --[no-]preallocate
-    --[no-]enable-prefix-caching
+    --max-num-batched-tokens --max-model-len --kv-memory (alias --memory-bytes) |
+    --gpu-memory-utilization --block-size --page-size-bytes --layout --driver --attention-impl
+    --lookahead-tokens --[no-]preallocate --kv-reserve --kv-shrink-grace-s --[no-]enable-prefix-caching
     --[no-]enable-chunked-prefill``).
 
     Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`; the
     backend options' choices and help from the backends' options classes (:func:`option_choices`).
     ``--no-prefix-caching`` and ``--no-chunked-prefill`` are accepted as hidden aliases of the
-    ``--no-enable-...`` flags.  ``--memory-bytes`` and ``--gpu-memory-utilization`` are mutually
-    exclusive.  ``--threads`` is no engine field: call :func:`apply_threads` before loading.
+    ``--no-enable-...`` flags.  ``--kv-memory`` and ``--gpu-memory-utilization`` are mutually
+    exclusive.  ``--kv-memory`` is the documented name of the one KV budget (``memory_bytes``; vLLM-style
+    naming): the vmem cap, the paged static pool; ``--memory-bytes`` stays as its alias.  ``--threads`` is no engine field: call :func:`apply_threads` before loading.
     """
     ec, cc, sc = EngineConfig(), CacheConfig(), SchedulerConfig()
     g = parser.add_argument_group("model")
@@ -141,9 +147,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=sc.max_model_len,
                    help="context length, prompt + output (default: min(model context, 4096))")
     mem = g.add_mutually_exclusive_group()
-    mem.add_argument("--memory-bytes", type=parse_size, default=cc.memory_bytes, metavar="SIZE",
-                     help="KV memory budget, e.g. 512MiB (default: 256 MiB on CPU, "
-                          "--gpu-memory-utilization of free memory on CUDA)")
+    mem.add_argument("--kv-memory", "--memory-bytes", dest="memory_bytes", type=parse_size,
+                     default=cc.memory_bytes, metavar="SIZE",
+                     help="KV memory, e.g. 512MiB: vmem's cap (pages created on demand up to it, idle "
+                          "ones released, see --kv-reserve); paged allocates it all up front as a "
+                          "static pool (default: 256 MiB on CPU, --gpu-memory-utilization of free "
+                          "memory on CUDA)")
     mem.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization,
                      help="fraction of free GPU memory for KV (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
@@ -157,6 +166,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=option_help("lookahead_tokens"))
     g.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
                    help=option_help("preallocate"))
+    g.add_argument("--kv-reserve", dest="kv_reserve_bytes", type=size_or_zero, default=cc.kv_reserve_bytes,
+                   metavar="SIZE", help=option_help("kv_reserve_bytes"))
+    g.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
+                   help=option_help("kv_shrink_grace_s"))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cc.enable_prefix_caching, help=option_help("enable_prefix_caching"))
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -178,7 +191,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
         driver=args.driver, attention_impl=args.attention_impl, lookahead_tokens=args.lookahead_tokens,
-        preallocate=args.preallocate,
+        preallocate=args.preallocate, kv_reserve_bytes=args.kv_reserve_bytes,
+        kv_shrink_grace_s=args.kv_shrink_grace_s,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
     )
 

@@ -47,7 +47,8 @@ def _option_default(name: str):
 #: CacheConfig fields that are backend options (the backends' options classes own their defaults,
 #: ranges and name lists)
 BACKEND_OPTION_FIELDS = ("block_size", "page_size_bytes", "layout", "driver", "enable_prefix_caching",
-                         "attention_impl", "lookahead_tokens", "preallocate")
+                         "attention_impl", "lookahead_tokens", "preallocate", "kv_reserve_bytes",
+                         "kv_shrink_grace_s")
 #: backend options a backend without them refuses when set (running another attention kernel than the
 #: one asked for would mislabel a measurement); the others are ignored by a backend without them, so one
 #: set of knobs can drive both backends
@@ -60,8 +61,10 @@ class CacheConfig:
 
     Args:
         backend: ``"paged"`` (blocks + block tables) or ``"vmem"`` (virtual slot per sequence).
-        memory_bytes: physical KV budget in bytes; ``None``: 256 MiB on CPU, on CUDA
-            ``gpu_memory_utilization`` of the free memory after the weights are loaded.
+        memory_bytes: physical KV budget in bytes (``--kv-memory``); ``None``: 256 MiB on CPU, on CUDA
+            ``gpu_memory_utilization`` of the free memory after the weights are loaded.  The paged
+            backend allocates it all up front (a static pool); for vmem it is the cap that growth on
+            demand stops at (pages are created when sequences need them and idle ones released).
         gpu_memory_utilization: fraction in (0, 1] of free GPU memory given to the KV cache.
         block_size: paged backend: tokens per block (power of two, 1..1024).
         page_size_bytes: vmem backend: bytes per physical page; ``None``: the driver's default
@@ -75,7 +78,12 @@ class CacheConfig:
         lookahead_tokens: vmem backend: also map (best effort) the pages of this many positions past a
             sequence's length at every allocate/extend; those pages are claimed by the sequence, unlike
             the ones ``prefetch_tokens`` maps, which stay reclaimable.
-        preallocate: vmem backend: create the whole page pool up front instead of on demand.
+        preallocate: vmem backend: create the whole page pool up front instead of on demand (and
+            never release it).
+        kv_reserve_bytes: vmem backend: idle KV memory kept when idle pages are released (elastic
+            shrink, ``KVCache.release_idle``).
+        kv_shrink_grace_s: vmem backend: seconds idle memory stays above the reserve before it is
+            released (0: at once; negative or ``inf``: never).
         prefetch_tokens: after enqueuing a step's forward, ask the cache to back this many
             positions past each sampling sequence's length (``KVCache.prefetch``; the vmem backend
             maps pages while the GPU computes); ``None``: 16 on CUDA, 0 on CPU (exact accounting).
@@ -98,6 +106,8 @@ class CacheConfig:
     attention_impl: str = _option_default("attention_impl")
     lookahead_tokens: int = _option_default("lookahead_tokens")
     preallocate: bool = _option_default("preallocate")
+    kv_reserve_bytes: int = _option_default("kv_reserve_bytes")
+    kv_shrink_grace_s: float = _option_default("kv_shrink_grace_s")
     prefetch_tokens: int | None = None
 
     def __post_init__(self) -> None:

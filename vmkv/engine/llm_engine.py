@@ -244,7 +244,7 @@ class LLMEngine:
         if sched.failed:
             sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
         if sched.is_empty:
-            return StepResult()
+            return self.runner.idle()       # nothing to run: idle KV memory may go back (vmem)
         try:
             result = self.runner.execute(sched)
         except Exception as exc:

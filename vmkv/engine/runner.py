@@ -6,7 +6,8 @@ Per step (the plan/run split): ``meta = kv_cache.prepare([StepSeq, ...])`` once,
 come back as ``float32 [num_seqs, vocab_size]``.  While the GPU computes them (the forward is only
 enqueued until sampling copies tokens to the host), ``kv_cache.prefetch`` backs the next positions
 of the sampling sequences, so the next step's ``extend`` finds them mapped (vAttention, Prabhu et
-al., ASPLOS'25, section 6.1: overlapping allocation with compute).
+al., ASPLOS'25, section 6.1: overlapping allocation with compute), and ``kv_cache.release_idle`` gives
+idle KV memory back (elastic vmem; also on steps that schedule nothing, :meth:`ModelRunner.idle`).
 
 Failure isolation: ``prepare`` and the forward are batch-wide, so an exception there propagates
 (the engine fails the step's batch).  Sampling is per request: when the batched ``sample`` raises,
@@ -64,6 +65,8 @@ class ModelRunner:
     Attributes:
         forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
         prefetch_time_s_total: seconds of that in ``kv_cache.prefetch``.
+        release_time_s_total: seconds in ``kv_cache.release_idle`` (elastic shrink), called every
+            step after the forward is enqueued (next to prefetch) and by :meth:`idle`.
     """
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
@@ -77,6 +80,7 @@ class ModelRunner:
         self.prefetch_tokens = prefetch_tokens
         self.forward_time_s_total = 0.0
         self.prefetch_time_s_total = 0.0
+        self.release_time_s_total = 0.0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -115,6 +119,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             self._prefetch(list(dict.fromkeys(o.seq_id for o in owners)))
             self.prefetch_time_s_total += time.perf_counter() - t1
+        self._release_idle()      # still before the sync: idle KV pages past the grace go back
         result = StepResult()
         if rows:
             sel = torch.tensor(row_index, dtype=torch.int64, device=logits.device)
@@ -131,6 +136,22 @@ class ModelRunner:
                     result.sampled.setdefault(seq.seq_id, []).append(tok)
         self.forward_time_s_total += time.perf_counter() - t0
         return result
+
+    def idle(self) -> StepResult:
+        """A step with nothing scheduled: idle KV memory may go back to the device
+        (``kv_cache.release_idle``); nothing is computed."""
+        self._release_idle()
+        return StepResult()
+
+    def _release_idle(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.kv_cache.release_idle()
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            logger.warning("kv_cache.release_idle failed (memory stays held; ignored): %r", exc)
+        self.release_time_s_total += time.perf_counter() - t0
 
     def _prefetch(self, seq_ids: list[int]) -> None:
         try:

@@ -147,6 +147,19 @@ class KVCache(abc.ABC):
             num_tokens: look-ahead in positions, >= 0.
         """
 
+    def release_idle(self, now: float | None = None) -> int:
+        """Give idle KV memory back to the device (elastic shrink), off the critical path: the engine
+        calls it between steps and while it idles, never inside allocate/extend.  vmem releases the
+        pages that stayed idle beyond its reserve for its grace period (``kv_reserve_bytes``,
+        ``kv_shrink_grace_s``); the default (paged: a static pool) releases nothing.
+
+        Args:
+            now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
+        Returns:
+            Bytes released (0 by default).
+        """
+        return 0
+
     def has_seq(self, seq_id: int) -> bool:
         try:
             self.seq_len(seq_id)

@@ -5,7 +5,8 @@ without PagedAttention", ASPLOS'25): every request gets a **slot**, a row of a v
 ``[max_num_seqs, max_model_len, ...]`` reserved once; physical **pages** are mapped into the slot only
 as its sequence grows (section 5), so attention reads plain strided tensors and needs no block table.
 Freed slots keep their pages mapped (deferred reclamation, section 6.2) and the next request takes
-the best-fitting one; pages are unmapped only when the pool runs short.  On top of the paper: fork
+the best-fitting one; pages are unmapped when the pool runs short, and idle pages beyond a reserve
+are released to the device after a grace period (:meth:`release_idle`, ``elastic.py``).  On top of the paper: fork
 and page-aligned prefix sharing map one physical page into several slots with reference counts, and
 the first write into a shared page copies it (copy-on-write).  See DESIGN.md, "vmem backend".
 
@@ -19,6 +20,7 @@ module holds the hooks.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Sequence
 
 import numpy as np
@@ -33,8 +35,10 @@ from vmkv.kvcache.seqtable import SeqState, check_count
 from vmkv.kvcache.spec import KVCacheSpec
 from vmkv.vmem.backing import build_backing, default_host_page_size
 from vmkv.vmem.driver import VMMDriver
+from vmkv.vmem.elastic import IdleWindow
 from vmkv.vmem.mapper import Slot
-from vmkv.vmem.options import ATTENTION_IMPLS
+from vmkv.vmem.options import (ATTENTION_IMPLS, DEFAULT_KV_RESERVE_BYTES, DEFAULT_KV_SHRINK_GRACE_S,
+                               VMemOptions)
 from vmkv.vmem.page_pool import out_of_memory_is_full
 from vmkv.vmem.placement import pick_fork_slot, pick_slot
 from vmkv.vmem.stats import VMemStatsMixin
@@ -66,6 +70,9 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         preallocate: create every page up front instead of on first use.
         attention_impl: ``vmkv.kernels.ops.contiguous_attention`` implementation: ``"auto"``,
             ``"triton"``, ``"torch"`` or ``"sdpa"`` (unmodified SDPA on the slot views).
+        kv_reserve_bytes, kv_shrink_grace_s: elastic shrink (:meth:`release_idle`): idle pages beyond
+            ``kv_reserve_bytes`` for ``kv_shrink_grace_s`` seconds are released (0: at once; negative
+            or ``inf``: never; off with ``preallocate``); ``memory_bytes`` is the cap growth stops at.
     Raises:
         ValueError: a bad argument (names the value and the allowed range).
         VMMError: a virtual-memory call failed.
@@ -78,13 +85,17 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
                  driver: str | VMMDriver = "auto", layout: str = "megacache",
                  page_size_bytes: int | None = None, enable_prefix_caching: bool = True,
                  lookahead_tokens: int = 0, preallocate: bool = False,
-                 attention_impl: str = "auto") -> None:
+                 attention_impl: str = "auto", kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
+                 kv_shrink_grace_s: float = DEFAULT_KV_SHRINK_GRACE_S) -> None:
         super().__init__(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          memory_bytes=memory_bytes)
         self.lookahead_tokens = check_count("lookahead_tokens", lookahead_tokens, 0)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         self.attention_impl = attention_impl
+        for name, value in (("kv_reserve_bytes", kv_reserve_bytes), ("kv_shrink_grace_s", kv_shrink_grace_s)):
+            VMemOptions.check_field(name, value, owner="VMemKVCache")
+        self.kv_reserve_bytes, self.kv_shrink_grace_s = kv_reserve_bytes, float(kv_shrink_grace_s)
         b = build_backing(spec, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                           memory_bytes=self.memory_bytes, driver=driver, layout=layout,
                           page_size_bytes=page_size_bytes, preallocate=preallocate, prefix=self.prefix)
@@ -100,6 +111,9 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
                         page, self.layout.tokens_per_page)
         self._prefetch_ns = 0
         self._shared_used_bytes = 0     # bytes counted twice in the sum of seq_len (stats.py)
+        # elastic shrink (elastic.py): a preallocated pool is held for good
+        self._idle_window = IdleWindow(kv_reserve_bytes // page,
+                                       math.inf if preallocate else self.kv_shrink_grace_s)
         self._init_core()
         self._warn_map_count(max_pages)
         logger.info("vmem cache: %s, driver %s, %d pages max", self.layout.describe(), self.driver.name,

@@ -16,6 +16,7 @@ cached page that a new occupant (or growth) of its slot would overwrite is moved
 still cached) while plain pages can replace it.  When the pool runs short, pages are taken in this
 order (as the paged block pool does): plain pool pages, kept pages without a prefix entry, then
 the least recently used cached pages (kept or cached free), whose entries are dropped (eviction).
+Idle pages are released back to the driver only by the elastic shrink (``elastic.py``).
 
 Pages are mapped in **batches**: every operation that maps several pages of a slot at once (occupy,
 grow, share, look-ahead, prefetch) maps them without access and then grants access with one
@@ -36,6 +37,7 @@ import time
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from vmkv.kvcache.prefix import PrefixIndex
+from vmkv.vmem.elastic import ElasticMixin
 from vmkv.vmem.mapper_check import MapperCheckMixin
 from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError
 from vmkv.vmem.slot_ops import SlotOpsMixin
@@ -73,10 +75,10 @@ class Slot:
         return None if pages is None else pages[res]
 
 
-class SlotMapper(SlotOpsMixin, MapperCheckMixin):
+class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
     """Owns the reservations, the slots and every map/unmap of the vmem backend: the primitives and
-    reclamation here, the operations in :class:`~vmkv.vmem.slot_ops.SlotOpsMixin`, statistics and
-    checks in :class:`~vmkv.vmem.mapper_check.MapperCheckMixin`.
+    reclamation here, the operations in :class:`~vmkv.vmem.slot_ops.SlotOpsMixin`, the release of
+    idle pages in :class:`~vmkv.vmem.elastic.ElasticMixin`, statistics and checks in :class:`~vmkv.vmem.mapper_check.MapperCheckMixin`.
 
     Torch-free: it deals in addresses and page handles; the cache makes the tensors over
     :attr:`bases`.
@@ -114,6 +116,7 @@ class SlotMapper(SlotOpsMixin, MapperCheckMixin):
         self.num_fence_waits = self.num_map_batches = self.num_set_access_calls = 0
         self.num_prefetched_pages = 0
         self.num_prefix_evictions = 0
+        self.num_released_pages = 0
 
     # ------------------------------------------------------------------ primitives
     def va(self, res: int, slot: int, unit: int) -> int:

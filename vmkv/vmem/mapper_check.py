@@ -46,6 +46,8 @@ class MapperCheckMixin:
             "num_cached_free_pages": len(self.pool.cached_pages()),
             "num_fence_waits": self.num_fence_waits,
             "num_pages_created": self.pool.num_created,
+            "num_released_pages": self.num_released_pages,
+            "num_idle_pages": self.num_idle_pages(),
         }
 
     def check_integrity(self) -> None:
@@ -92,6 +94,10 @@ class MapperCheckMixin:
         if missing:
             raise AssertionError(f"pages {sorted(missing)} have no last-use tick")
         self.pool.check_integrity()
+        num_driver_pages = getattr(self.driver, "num_pages", None)
+        if num_driver_pages is not None and num_driver_pages != self.pool.num_created:
+            raise AssertionError(f"the driver holds {num_driver_pages} pages, the pool created "
+                                 f"{self.pool.num_created} (a page released twice or never)")
         self.prefix.check_integrity()
 
     def close(self) -> None:

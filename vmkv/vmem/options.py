@@ -9,11 +9,13 @@ this module (the CLIs through the registry).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, ClassVar
 
 from vmkv.kvcache.options import BackendOptions, Check, boolean, non_negative_int, one_of, option, positive_int
 
-__all__ = ["VMemOptions", "LAYOUTS", "DRIVERS", "ATTENTION_IMPLS"]
+__all__ = ["VMemOptions", "LAYOUTS", "DRIVERS", "ATTENTION_IMPLS", "DEFAULT_KV_RESERVE_BYTES",
+           "DEFAULT_KV_SHRINK_GRACE_S"]
 
 #: virtual layouts: one reservation for all layers (a page covers all layers of a token range), or
 #: vAttention's ``2 * num_layers`` reservations
@@ -24,6 +26,19 @@ DRIVERS = ("auto", "cuda", "host")
 #: reference elsewhere), ``triton``, ``torch``, ``sdpa`` (unmodified
 #: ``scaled_dot_product_attention`` on slot views: vAttention's thesis)
 ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa")
+
+
+#: ``kv_reserve_bytes`` default: idle KV memory kept mapped after a shrink, ready for the next burst
+DEFAULT_KV_RESERVE_BYTES = 64 << 20
+#: ``kv_shrink_grace_s`` default: long enough that an offline run's dips between waves of requests
+#: release nothing (no create/release churn), short enough that a server's burst gives memory back soon
+DEFAULT_KV_SHRINK_GRACE_S = 10.0
+
+
+def _grace_check() -> Check:
+    def test(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    return Check(test, "a number of seconds (0: at once; negative or inf: never)")
 
 
 def _driver_check() -> Check:
@@ -46,6 +61,11 @@ class VMemOptions(BackendOptions):
         lookahead_tokens: back this many positions past a sequence's length ahead of need.
         preallocate: create the whole page pool up front instead of on demand.
         attention_impl: attention implementation on slot views (``ATTENTION_IMPLS``).
+        kv_reserve_bytes: elastic shrink: idle physical KV memory (created pages no live sequence
+            claims) kept; the rest goes back to the device/OS once it has been idle for
+            ``kv_shrink_grace_s``.  The cap is the cache's ``memory_bytes`` (``--kv-memory``).
+        kv_shrink_grace_s: seconds idle memory must stay above the reserve before it is released; 0:
+            at once, negative or ``inf``: never (the pool only grows).  ``preallocate`` turns it off.
     Raises:
         ValueError: a field is out of range (the message names field, value and range).
     """
@@ -63,3 +83,10 @@ class VMemOptions(BackendOptions):
     attention_impl: str = option("auto", one_of(ATTENTION_IMPLS),
                                  "vmem: attention implementation on slot views (sdpa: unmodified "
                                  "torch scaled_dot_product_attention, vAttention's thesis)")
+    kv_reserve_bytes: int = option(DEFAULT_KV_RESERVE_BYTES, non_negative_int(),
+                                   "vmem: idle KV memory kept after a shrink, e.g. 64MiB; paged keeps "
+                                   "its whole static pool (default: 64 MiB)")
+    kv_shrink_grace_s: float = option(DEFAULT_KV_SHRINK_GRACE_S, _grace_check(),
+                                      "vmem: seconds KV memory stays idle above the reserve before it "
+                                      "is released to the device (0: at once; -1 or inf: never); "
+                                      "paged never releases")

@@ -5,8 +5,8 @@ Which pages are in use and their reference counts live in the one
 number of slot positions it is mapped at (fork and prefix sharing map
 one page into several slots; vAttention, Prabhu et al., ASPLOS'25, keeps physical pages in a pool and
 reuses them across requests instead of freeing them).  A page whose count drops to zero stays created
-(only :meth:`PagePool.close` releases pages to the driver) and goes back to one of two free tiers, as
-the paged block pool does:
+(until the elastic shrink, :meth:`PagePool.release_free`, or :meth:`PagePool.close` releases it to the
+driver) and goes back to one of two free tiers, as the paged block pool does:
 
 * **plain free**: no prefix-cache entry; handed out first.
 * **cached free**: it still holds a unit cached in the prefix index, so a later request with that
@@ -153,6 +153,28 @@ class PagePool:
                 self._cached.remove(p)
                 self._free.append(p)
         return dropped
+
+    def release_free(self) -> int:
+        """Release one plain free page back to the driver (elastic shrink: ``cuMemRelease``, the
+        host driver's ``fallocate(PUNCH_HOLE)``); a later :meth:`acquire` creates a page again, up to
+        ``max_pages``.  A plain free page is mapped nowhere and was unmapped after its fence, so no
+        kernel can still read it.  Returns the page handle released.
+
+        Raises:
+            PagePoolExhaustedError: no plain free page.  VMMError: the driver's release failed (the
+            page stays plain free).
+        """
+        if not self._free:
+            raise PagePoolExhaustedError("no plain free page to release")
+        page = self._free.pop()
+        try:
+            self.driver.release(page)
+        except BaseException:
+            self._free.append(page)
+            raise
+        self._num_created -= 1
+        self.table.last_use.pop(page, None)
+        return page
 
     def refcount(self, page: int) -> int:
         return self.table.refcount(page)

@@ -12,9 +12,12 @@ from vmkv.kvcache.seqtable import check_count
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VMemStatsMixin"]
+__all__ = ["VMemStatsMixin", "RELEASE_PAGES_PER_CALL"]
 
 logger = logging.getLogger(__name__)
+
+#: pages :meth:`VMemStatsMixin.release_idle` releases per call at most while sequences are live
+RELEASE_PAGES_PER_CALL = 32
 
 
 class VMemStatsMixin:
@@ -78,6 +81,34 @@ class VMemStatsMixin:
                 self.mapper.prefetch(seq.units, self.layout.num_units(target))
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
+
+    def release_idle(self, now: float | None = None) -> int:
+        """:meth:`KVCache.release_idle`: give idle physical pages back to the driver (``cuMemUnmap`` +
+        ``cuMemRelease``; host: unmap + ``fallocate(PUNCH_HOLE)``) once they have stayed above
+        ``kv_reserve_bytes`` for ``kv_shrink_grace_s`` (rules and order: :mod:`vmkv.vmem.elastic`).
+        Never waits for a fence (a page whose kernels may still run waits for a later call), never
+        touches a claimed page; while sequences are live at most :data:`RELEASE_PAGES_PER_CALL` pages
+        go per call (the step's critical path stays short), all of them when none is.
+
+        Args:
+            now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
+        Returns:
+            Bytes released (0 most calls).
+        Raises:
+            VMMError: a driver call failed (the cache stays consistent).
+        """
+        self._check_open()
+        now = time.monotonic() if now is None else float(now)
+        num = self._idle_window.observe(now, self.mapper.num_idle_pages())
+        if num <= 0:
+            return 0
+        if len(self.seqs):
+            num = min(num, RELEASE_PAGES_PER_CALL)
+        released = self.mapper.release_idle_pages(num)
+        self._idle_window.released(released)
+        if released:
+            logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
+        return released * self.layout.page_size_bytes
 
     # ------------------------------------------------------------------ capacity
     def _free_tokens(self) -> int:
@@ -160,6 +191,8 @@ class VMemStatsMixin:
             "page_size_bytes": self.layout.page_size_bytes,
             "pages_per_unit": self.layout.pages_per_unit,
             "num_prefix_entries": len(self.prefix),
+            "created_bytes": self.pool.num_created * self.layout.page_size_bytes,
+            "kv_reserve_bytes": self.kv_reserve_bytes,
             "driver": self.driver.name,
             "layout": self.layout.name,
         })

@@ -1,0 +1,341 @@
+"""Elastic vmem memory (issue 12, items 1-3): idle pages beyond a reserve are released to the device
+or the OS after a grace period (``KVCache.release_idle``), growth re-creates them on demand, and
+nothing a live sequence claims, a pending fence guards or a prefix entry names is ever broken.
+
+Clocks are injected (``release_idle(now=...)``), never slept on.  The GPU twin at the end checks that
+``torch.cuda.mem_get_info``'s free memory rises after a shrink on the CUDA driver.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from kvcache_cases import SPEC, one_torch_thread
+from test_engine import make_engine, one_thread, tiny  # noqa: F401 (fixtures)
+from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
+from vmkv import StepSeq
+from vmkv.kvcache.registry import create_kv_cache
+from vmkv.kvcache.spec import KVCacheSpec
+from vmkv.vmem import stats as vmem_stats
+from vmkv.vmem.elastic import IdleWindow
+
+KIB, MIB = 1 << 10, 1 << 20
+PAGE = 64 * KIB                       # 256 tokens of SPEC per megacache page
+TOKEN_BYTES = SPEC.kv_bytes(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+def make_cache(*, grace_s: float = 5.0, reserve: int = 2 * PAGE, max_num_seqs: int = 32,
+               max_model_len: int = 4096, memory_bytes: int = 40 * MIB, **kw):
+    return create_kv_cache("vmem", SPEC, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           memory_bytes=memory_bytes, driver="host", page_size_bytes=PAGE,
+                           kv_reserve_bytes=reserve, kv_shrink_grace_s=grace_s, **kw)
+
+
+def fill(cache, seq_id: int, n: int, value: float, token_ids=None) -> None:
+    """Allocate ``n`` positions of ``seq_id`` and write ``value`` + position into every layer."""
+    cache.allocate(seq_id, n, token_ids=token_ids)
+    for layer in range(SPEC.num_layers):
+        k = torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, SPEC.num_kv_heads, SPEC.head_dim)
+        cache.write(seq_id, layer, 0, k + value, -(k + value))
+
+
+def assert_filled(cache, seq_id: int, n: int, value: float) -> None:
+    for layer in range(SPEC.num_layers):
+        k, v = cache.gather(seq_id, layer)
+        want = torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, SPEC.num_kv_heads, SPEC.head_dim)
+        assert torch.equal(k, want + value) and torch.equal(v, -(want + value))
+
+
+def idle_bytes(cache) -> int:
+    return cache.mapper.num_idle_pages() * cache.page_size_bytes
+
+
+def memfd_bytes(cache) -> int:
+    drv = getattr(cache.driver, "inner", cache.driver)
+    return os.fstat(drv._fd).st_blocks * 512
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ------------------------------------------------------------------ the policy (torch-free)
+def test_idle_window_releases_what_stayed_idle_for_the_whole_grace_period():
+    w = IdleWindow(reserve_pages=2, grace_s=5.0)
+    assert w.observe(0.0, 10) == 0              # grace not over
+    assert w.observe(4.9, 10) == 0
+    assert w.observe(5.0, 10) == 8              # idle > reserve for 5 s: all but the reserve
+    w.released(3)
+    assert w.observe(5.1, 7) == 5               # a release is no dip
+    assert w.observe(6.0, 4) == 2               # a real dip: only what stayed idle
+    assert w.observe(9.0, 20) == 2              # the dip (in effect from 6 to 9 s) is in the window
+    assert w.observe(13.9, 20) == 2
+    assert w.observe(14.0, 20) == 18            # ... and now out of it
+    assert w.observe(15.0, 1) == 0              # at or below the reserve: the grace starts again
+    assert w.observe(16.0, 9) == 0 and w.observe(20.9, 9) == 0 and w.observe(21.0, 9) == 7
+    assert IdleWindow(0, 0.0).observe(0.0, 3) == 3       # grace 0: at once
+    for never in (-1.0, float("inf")):
+        assert IdleWindow(0, never).observe(1e9, 100) == 0
+
+
+# ------------------------------------------------------------------ host driver
+def test_host_shrink_returns_memory_to_the_os_after_the_grace_period():
+    cache = make_cache(grace_s=5.0)
+    try:
+        for s in range(32):                      # a burst: 32 x 4096 tokens = 512 pages, 32 MiB
+            fill(cache, s, 4096, float(s))
+        held, rss_held = memfd_bytes(cache), rss_bytes()
+        assert held >= 32 * MIB
+        for s in range(32):
+            cache.free(s)
+        assert cache.release_idle(now=100.0) == 0          # the burst just ended
+        assert cache.release_idle(now=104.9) == 0          # grace respected
+        assert memfd_bytes(cache) == held
+        released = cache.release_idle(now=105.0)
+        assert released == 32 * MIB - 2 * PAGE             # all but the reserve
+        assert idle_bytes(cache) <= 2 * PAGE                # reserve respected
+        assert memfd_bytes(cache) <= 2 * PAGE               # the memfd's blocks are punched out
+        assert rss_held - rss_bytes() >= released // 2      # and the process's resident memory falls
+        stats = cache.backend_stats()
+        assert stats["num_released_pages"] == released // PAGE
+        assert stats["created_bytes"] == stats["num_pages_created"] * PAGE == 2 * PAGE
+        cache.check_integrity()
+        # growth re-creates pages on demand, up to the cap, and the data is correct
+        for s in range(100, 120):
+            fill(cache, s, 4096, float(s))
+        for s in range(100, 120):
+            assert_filled(cache, s, 4096, float(s))
+        assert memfd_bytes(cache) >= 20 * 4096 * TOKEN_BYTES
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_shrink_never_touches_what_live_sequences_claim_and_cycles_stay_correct():
+    cache = make_cache(grace_s=0.0, reserve=0, max_model_len=2048)
+    try:
+        live: dict[int, tuple[int, float]] = {}          # seq -> (positions written, value)
+        t = 0.0
+        for cycle in range(4):
+            for s in range(cycle * 10, cycle * 10 + 8):       # grow
+                n = 300 + 97 * (s % 7)
+                fill(cache, s, n, float(s))
+                live[s] = (n, float(s))
+            for s in sorted(live)[::2]:                      # half of them end
+                cache.free(s)
+                del live[s]
+            for s in sorted(live)[:2]:                       # some keep growing
+                cache.extend(s, 256)
+            claimed = cache.mapper.table.num_claimed_pages
+            t += 1.0
+            cache.release_idle(now=t)
+            assert cache.mapper.table.num_claimed_pages == claimed
+            assert cache.mapper.num_idle_pages() == 0        # grace 0, reserve 0: every idle page went
+            assert cache.usage().allocated_bytes == claimed * PAGE == cache.backend_stats()["created_bytes"]
+            cache.check_integrity()
+            for s, (n, value) in live.items():
+                assert_filled_prefix(cache, s, n, value)
+    finally:
+        cache.close()
+
+
+def assert_filled_prefix(cache, seq_id: int, n: int, value: float) -> None:
+    for layer in range(SPEC.num_layers):
+        k, v = cache.gather(seq_id, layer)
+        want = torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, SPEC.num_kv_heads, SPEC.head_dim)
+        assert torch.equal(k[:n], want + value) and torch.equal(v[:n], -(want + value))
+
+
+def test_grace_period_memory_used_within_the_window_is_kept():
+    cache = make_cache(grace_s=5.0, reserve=0)
+    try:
+        for s in range(8):                       # 8 x 4 pages
+            fill(cache, s, 1024, float(s))
+        for s in range(8):
+            cache.free(s)
+        assert cache.release_idle(now=0.0) == 0
+        for s in range(8, 12):                   # a new burst 3 s later reuses 16 kept pages
+            fill(cache, s, 1024, float(s))
+        assert cache.release_idle(now=3.0) == 0
+        assert cache.release_idle(now=4.9) == 0
+        assert cache.release_idle(now=5.0) == 16 * PAGE     # idle since t=0: released
+        for s in range(8, 12):
+            assert_filled(cache, s, 1024, float(s))
+            cache.free(s)
+        assert cache.release_idle(now=6.0) == 0              # idle only since t=6
+        assert cache.release_idle(now=10.9) == 0
+        assert cache.release_idle(now=11.0) == 16 * PAGE
+        assert cache.backend_stats()["num_pages_created"] == 0
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_a_released_prefix_page_is_a_miss_never_a_stale_read():
+    cache = make_cache(grace_s=0.0, reserve=0, max_model_len=1024)
+    try:
+        prompt = list(range(600))                        # two full pages of prefix
+        fill(cache, 1, 600, 5.0, token_ids=prompt)
+        cache.prepare([StepSeq(1, 0, 600)])              # written: its units are cached
+        cache.free(1)
+        assert cache.allocate(2, 600, token_ids=prompt) == 512      # a hit while the pages exist
+        cache.free(2)
+        assert cache.release_idle(now=1.0) > 0
+        assert len(cache.prefix) == 0
+        assert cache.allocate(3, 600, token_ids=prompt) == 0        # released: a miss
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_a_page_whose_fence_is_pending_is_not_released(monkeypatch):
+    cache = make_cache(grace_s=0.0, reserve=0)
+    done = {"fence": False}
+    monkeypatch.setattr(cache.driver, "record_fence", lambda: object())
+    monkeypatch.setattr(cache.driver, "fence_done", lambda fence: done["fence"])
+    try:
+        fill(cache, 1, 1024, 1.0)                        # 4 pages, kept after free behind a fence
+        cache.free(1)
+        assert cache.release_idle(now=1.0) == 0          # kernels may still read them: kept
+        assert cache.mapper.num_idle_pages() == 4
+        done["fence"] = True
+        assert cache.release_idle(now=2.0) == 4 * PAGE
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_preallocated_pool_and_paged_never_release():
+    cache = make_cache(grace_s=0.0, reserve=0, memory_bytes=4 * MIB, preallocate=True)
+    try:
+        assert cache.release_idle(now=1e6) == 0
+        assert cache.backend_stats()["num_pages_created"] == 64
+    finally:
+        cache.close()
+    paged = create_kv_cache("paged", SPEC, max_num_seqs=4, max_model_len=64, memory_bytes=SPEC.kv_bytes(256))
+    try:
+        assert paged.release_idle() == 0
+    finally:
+        paged.close()
+
+
+# ------------------------------------------------------------------ the engine
+@pytest.fixture
+def clock(monkeypatch):
+    """``release_idle``'s clock, moved by hand."""
+    now = {"t": 1000.0}
+    fake = types.SimpleNamespace(monotonic=lambda: now["t"], perf_counter_ns=vmem_stats.time.perf_counter_ns)
+    monkeypatch.setattr(vmem_stats, "time", fake)
+    return now
+
+
+def _engine(tiny, **knobs):
+
+    return make_engine(tiny, "vmem", **{"kv_shrink_grace_s": 5.0, "kv_reserve_bytes": 4 * KIB, **knobs})
+
+
+def test_engine_burst_then_idle_steps_fall_to_the_reserve(tiny, clock):
+    from engine_helpers import hf_greedy, random_prompts
+    from test_engine import greedy, run_all
+
+    engine = _engine(tiny)
+    kv = engine.kv_cache
+    try:
+        prompts = random_prompts(len(tiny["tokenizer"]), [40, 70, 25, 90, 33, 60], seed=12)
+        for burst in range(2):
+            for i, p in enumerate(prompts):
+                engine.add_request(f"b{burst}-{i}", None, greedy(6), prompt_token_ids=p)
+            final = run_all(engine)
+            peak = kv.backend_stats()["created_bytes"]
+            assert peak > 8 * kv.page_size_bytes
+            for i, p in enumerate(prompts):
+                assert final[f"b{burst}-{i}"].outputs[0].token_ids == hf_greedy(tiny["hf"], p, 6)
+            engine.step()                                 # idle, within the grace: nothing goes
+            assert kv.backend_stats()["created_bytes"] == peak
+            clock["t"] += 5.0
+            engine.step()                                 # idle past the grace period
+            u = kv.usage()
+            held = kv.backend_stats()["created_bytes"]
+            assert held - u.allocated_bytes <= 4 * KIB + kv.page_size_bytes
+            kv.check_integrity()
+    finally:
+        engine.close()
+
+
+def test_engine_recovers_when_page_creation_fails_for_a_while_after_a_shrink(tiny, clock, monkeypatch):
+    from engine_helpers import hf_greedy, random_prompts
+    from test_engine import greedy, run_all
+    from vmkv.vmem.driver import VMMError
+
+    engine = _engine(tiny, kv_shrink_grace_s=0.0)
+    kv = engine.kv_cache
+    try:
+        prompts = random_prompts(len(tiny["tokenizer"]), [50, 80, 30, 64], seed=13)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"a{i}", None, greedy(4), prompt_token_ids=p)
+        run_all(engine)
+        engine.step()
+        assert kv.backend_stats()["num_released_pages"] > 0
+        inner = getattr(kv.driver, "inner", kv.driver)
+        real, calls = inner._create_page, {"n": 0}
+
+        def flaky():                        # memory held elsewhere for the next 12 creations
+            calls["n"] += 1
+            if calls["n"] <= 12:
+                raise VMMError(inner.calls["create_page"], "ENOMEM (Cannot allocate memory)", "injected")
+            return real()
+
+        monkeypatch.setattr(inner, "_create_page", flaky)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"b{i}", None, greedy(4), prompt_token_ids=p)
+        final = run_all(engine)
+        assert calls["n"] > 12 and engine.scheduler.num_transient_full > 0
+        for i, p in enumerate(prompts):
+            assert final[f"b{i}"].error is None
+            assert final[f"b{i}"].outputs[0].token_ids == hf_greedy(tiny["hf"], p, 4)
+        kv.check_integrity()
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_cuda_shrink_returns_device_memory():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (torch.cuda.is_available() is False)")
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.float16, device="cuda")
+    page = 2 * MIB
+    cache = create_kv_cache("vmem", spec, max_num_seqs=16, max_model_len=8192, memory_bytes=1024 * MIB,
+                            driver="cuda", kv_reserve_bytes=2 * page, kv_shrink_grace_s=5.0)
+    try:
+        for s in range(16):
+            cache.allocate(s, 8192)
+            for layer in range(spec.num_layers):
+                kv = torch.randn(8192, 8, 128, device="cuda", dtype=torch.float16)
+                cache.write(s, layer, 0, kv, kv)
+        torch.cuda.synchronize()
+        for s in range(16):
+            cache.free(s)
+        free_before = torch.cuda.mem_get_info()[0]
+        assert cache.release_idle(now=0.0) == 0 and cache.release_idle(now=4.0) == 0
+        released = cache.release_idle(now=5.0)
+        held = cache.backend_stats()["created_bytes"]
+        assert released >= 500 * MIB and held <= 2 * page
+        torch.cuda.synchronize()
+        assert torch.cuda.mem_get_info()[0] - free_before >= released - 64 * MIB
+        for s in range(4):                                  # growth re-creates pages
+            cache.allocate(100 + s, 4096)
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -1,0 +1,125 @@
+"""Elastic vmem memory: give idle physical pages back to the device (or the OS) after a grace period
+(DESIGN.md, vmem backend, "Elastic"; torch-free).
+
+**Idle pages** are created pages that no live sequence claims: plain free pool pages, cached free pool
+pages (an unmapped page that still holds a prefix-cache unit), and mapped pages that are not claimed
+(the kept pages of freed slots, and units of a live slot past what it claims, e.g. prefetched ones).
+:class:`IdleWindow` decides how many may go: the pages that stayed idle beyond ``reserve_pages`` during
+the whole last ``grace_s`` seconds (the minimum of the idle count over that window, less the
+reserve), so a dip between two bursts shorter than the grace releases nothing.
+
+:class:`ElasticMixin` (a mixin of :class:`~vmkv.vmem.mapper.SlotMapper`) releases them, in this order:
+plain free pages (no driver call but the release), then kept pages without a prefix entry, then cached
+pages (cached free or kept) least recently used first, whose prefix entries are dropped first (a later
+lookup is a miss, never a stale read).  A kept page is unmapped only when the fence of every slot it is
+mapped in has completed (checked without waiting: a page whose fence is pending waits for a later
+call), so no kernel can still read it; pages a live sequence claims, and sources of pending
+copy-on-write copies, are never candidates.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+__all__ = ["IdleWindow", "ElasticMixin"]
+
+
+class IdleWindow:
+    """Sliding minimum of the idle page count over the grace period.
+
+    Args:
+        reserve_pages: idle pages always kept (>= 0).
+        grace_s: seconds the idle count must stay above the reserve before the excess is released;
+            0: at once; negative or ``inf``: never.
+    """
+
+    def __init__(self, reserve_pages: int, grace_s: float) -> None:
+        if reserve_pages < 0:
+            raise ValueError(f"reserve_pages must be >= 0, got {reserve_pages}")
+        self.reserve_pages = int(reserve_pages)
+        self.grace_s = float(grace_s)
+        self.enabled = 0.0 <= self.grace_s < math.inf
+        # (time, idle + released so far): increasing values, each in effect from its time until the
+        # next entry's; the first is the one in effect at the window's start (releases shift every
+        # later reading, hence the offset)
+        self._samples: collections.deque = collections.deque()
+        self._first_s: float | None = None
+        self._released = 0
+
+    def observe(self, now: float, num_idle: int) -> int:
+        """Record ``num_idle`` idle pages at time ``now`` (seconds, non-decreasing); returns how many
+        pages may be released now (0 while the grace period has not passed)."""
+        if not self.enabled:
+            return 0
+        value = num_idle + self._released
+        dq = self._samples
+        since = now
+        while dq and dq[-1][1] >= value:     # larger readings since then no longer matter, but
+            since = dq.pop()[0]              # where the smaller one before them ended does
+        dq.append((since, value))
+        start = now - self.grace_s
+        while len(dq) >= 2 and dq[1][0] <= start:
+            dq.popleft()
+        if self._first_s is None:
+            self._first_s = now
+        if num_idle <= self.reserve_pages:
+            self._first_s = now          # below the reserve: the grace period starts again
+            return 0
+        if now - self._first_s < self.grace_s:
+            return 0
+        return max(0, dq[0][1] - self._released - self.reserve_pages)
+
+    def released(self, num_pages: int) -> None:
+        """``num_pages`` idle pages were released (the idle count fell by that much)."""
+        self._released += int(num_pages)
+
+
+class ElasticMixin:
+    """Needs the state and primitives of :class:`~vmkv.vmem.mapper.SlotMapper`."""
+
+    def num_idle_pages(self) -> int:
+        """Created pages no live sequence claims (see the module docstring)."""
+        return self.pool.num_created - self.table.num_claimed_pages
+
+    def _fence_pending(self, page: int) -> bool:
+        for s in self.table.slots_of(page):
+            fence = self.slots[s].fence
+            if fence is not None and not self.driver.fence_done(fence):
+                return True
+        return False
+
+    def release_idle_pages(self, num_pages: int) -> int:
+        """Release up to ``num_pages`` idle pages to the driver (order and safety rules: the module
+        docstring); never waits for a fence.  Returns the number of pages released."""
+        released = 0
+
+        def drain() -> None:
+            nonlocal released
+            while released < num_pages and self.pool.num_free:
+                self.pool.release_free()
+                released += 1
+
+        drain()
+        if released < num_pages:
+            candidates = (self.table.reclaimable | self.pool.cached_pages()) - self._pending
+            for page in self._eviction_order(candidates):
+                if released >= num_pages:
+                    break
+                if self.pool.is_cached_free(page):
+                    self.pool.evict(page)
+                    self.num_prefix_evictions += 1
+                elif page in self.table.reclaimable and not self._fence_pending(page):
+                    if self.prefix.is_cached(page):
+                        self._forget(page)
+                        self.num_prefix_evictions += 1
+                    res, unit = self.table.position(page)
+                    for s in sorted(self.table.slots_of(page)):
+                        slot = self.slots[s]
+                        self._wait_slot(slot)     # done already: clears the fence
+                        self._unmap(slot, unit, res)
+                else:
+                    continue    # fence pending, or already plain free (an eviction above freed it)
+                drain()
+        self.num_released_pages += released
+        return released

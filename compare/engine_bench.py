@@ -114,6 +114,8 @@ _BACKEND_FLAGS = {"block_size": "block_size", "page_size": "page_size_bytes", "l
                   "driver": "driver", "attention_impl": "attention_impl", "lookahead_tokens": "lookahead_tokens",
                   "preallocate": "preallocate", "kv_reserve_bytes": "kv_reserve_bytes",
                   "kv_shrink_grace_s": "kv_shrink_grace_s"}
+#: flags whose name is not their dest with dashes
+_FLAG_NAMES = {"kv_reserve_bytes": "--kv-reserve"}
 
 
 def backend_knobs(args) -> dict[str, object]:
@@ -135,7 +137,8 @@ def check_backends(args, backends: list[str]) -> None:
     for opt, value in backend_knobs(args).items():
         owners = option_backends(opt)
         if value != getattr(defaults, opt) and not set(owners) & set(backends):
-            flag = "--" + next(d for d, o in _BACKEND_FLAGS.items() if o == opt).replace("_", "-")
+            dest = next(d for d, o in _BACKEND_FLAGS.items() if o == opt)
+            flag = _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
             raise ValueError(f"{flag} is an option of the {'/'.join(owners)} backend, and --backends "
                              f"{','.join(backends)} lists none of them; add {owners[0]} to --backends or drop {flag}")
 

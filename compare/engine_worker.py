@@ -139,6 +139,7 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
             engine.add_request(r.request_id, None, _params(r, temperature), prompt_token_ids=r.prompt_token_ids,
                                arrival_time=start + r.arrival_s if online else start)
         if not engine.has_unfinished_requests():
+            engine.idle()                   # as the server does between requests (vmem may shrink)
             if sampler is not None:
                 sampler.sample_idle()
             time.sleep(max(0.0, min(0.05, pending[0].arrival_s - (time.perf_counter() - start))))

@@ -89,7 +89,8 @@ def sse_events(raw: str) -> list[str]:
 class RunningServer:
     """The real app on uvicorn in a background thread."""
 
-    def __init__(self, model_dir: Path, backend: str, **server_kwargs: Any) -> None:
+    def __init__(self, model_dir: Path, backend: str, engine_knobs: dict | None = None,
+                 **server_kwargs: Any) -> None:
         from vmkv.engine.llm_engine import LLMEngine
         from vmkv.server.app import build_app
         from vmkv.server.async_engine import AsyncEngine
@@ -98,7 +99,7 @@ class RunningServer:
         knobs = {"driver": "host", "page_size_bytes": VMEM_PAGE_SIZE_BYTES} if backend == "vmem" else {}
         self.engine = LLMEngine.from_args(str(model_dir), kv_backend=backend, device="cpu", dtype="float32",
                                           max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                                          memory_bytes=4 << 20, **knobs)
+                                          memory_bytes=4 << 20, **{**knobs, **(engine_knobs or {})})
         self.backend = backend
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"

@@ -55,3 +55,14 @@ def test_the_serve_command_parses(monkeypatch):
         server_cli.add_arguments(parser)
         ns = parser.parse_args(cmd[cmd.index("serve") + 1:])
         assert ns.backend == backend and ns.memory_bytes == 2 << 30
+
+
+def test_compare_engine_names_the_kv_reserve_flag_as_typed():
+    import pytest
+
+    from vmkv.compare import engine_bench
+    p = argparse.ArgumentParser()
+    engine_bench.add_arguments(p)
+    args = p.parse_args(["--backends", "paged", "--kv-reserve", "1MiB"])
+    with pytest.raises(ValueError, match="--kv-reserve is an option"):
+        engine_bench.check_backends(args, ["paged"])

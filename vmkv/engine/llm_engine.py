@@ -14,19 +14,12 @@ unfinished and early-ended requests are kept by :mod:`vmkv.engine.request_table`
 :class:`~vmkv.engine.sequence.SequenceGroup`'s business.  Each output carries what is new since
 the request's previous output (:mod:`vmkv.engine.outputs`), so streaming costs O(new tokens).
 
-Failure isolation ("a bad request is that request's failure, never the server's"):
-
-- an exception in a per-request stage fails that request only: admission and KV backing
-  (``SchedulerOutput.failed``), sampling (``StepResult.failed``), detokenization, stop checks
-  and fork (caught per request in :meth:`_update`);
-- an exception in the batched ``prepare`` / forward fails the requests of that step's batch;
-- an unexpected exception anywhere else in :meth:`step` (an engine bug that cannot be
-  attributed) fails every unfinished request, which leaves the scheduler empty and consistent;
-- a failed request is finished at once: its KV is freed, ``RequestOutput.error`` says what
-  failed, unfinished completions get ``finish_reason="error"``; the engine serves the rest;
-- only a fatal error (:func:`vmkv.engine.errors.is_fatal_error`: a sticky CUDA error that
-  poisons the context, or a ``BaseException`` such as ``KeyboardInterrupt``) propagates out of
-  :meth:`step`; the engine is unusable afterwards.
+Failure isolation ("a bad request is that request's failure, never the server's"): an exception in
+a per-request stage (admission and KV backing, sampling, detokenization, stop checks, fork) fails that
+request only; one in the batched ``prepare`` / forward fails that step's batch; one anywhere else in
+:meth:`step` (an engine bug) fails every unfinished request.  A failed request is finished at once (KV
+freed, ``RequestOutput.error``, ``finish_reason="error"``); only a fatal error
+(:func:`vmkv.engine.errors.is_fatal_error`) propagates out of :meth:`step`.
 
 Not thread-safe: one thread drives it (the server runs it on a background thread).
 """
@@ -202,6 +195,10 @@ class LLMEngine:
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def idle(self) -> None:
+        """Between requests (no step to run): idle KV memory may go back (``kv_cache.release_idle``)."""
+        self.runner.idle()
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (``input_processor.encode``: checks and raises there)."""

@@ -308,6 +308,16 @@ class AsyncEngine:
             if fut is not None:
                 fut.set_result(result)
 
+    def _idle(self) -> None:
+        """No request: let the engine give idle KV memory back (vmem shrink), at most every
+        ``_drain``'s 0.5 s wait; a failure there is logged, a fatal one stops the thread."""
+        try:
+            self.engine.idle()
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            logger.warning("engine.idle() failed (ignored): %r", exc)
+
     def _drain(self, block: bool) -> None:
         try:
             item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
@@ -344,6 +354,8 @@ class AsyncEngine:
                 self._drain(block=not busy)
                 if self._stopping:
                     break
+                if not busy and not self.engine.has_unfinished_requests():
+                    self._idle()
                 if self.engine.has_unfinished_requests():
                     try:
                         outputs = self.engine.step()

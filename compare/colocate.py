@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="1024..2048")
     p.add_argument("--output-len", default="128")
     p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--idle-s", type=float, default=6.0, help="pause after each burst")
     p.add_argument("--sample-s", type=float, default=0.5)
@@ -104,7 +105,8 @@ def parse_metrics(text: str, prefixes: tuple[str, ...] = ("vmkv_kv_", "vmkv_devi
 def _serve_cmd(args, port: int, kv_bytes: int) -> list[str]:
     cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--backend", args.backend, "--random-weights",
            args.random_weights, "--dtype", args.dtype, "--port", str(port), "--kv-memory", str(kv_bytes),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+           "--max-num-batched-tokens",
            str(args.max_num_batched_tokens), "--log-level", "warning"]
     if args.backend == "vmem":
         cmd += ["--kv-reserve", args.kv_reserve, "--kv-shrink-grace-s", str(args.kv_shrink_grace_s)]

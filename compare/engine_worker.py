@@ -45,8 +45,7 @@ STEP_COLUMNS = ("t_s", "step_s", "alloc_s", "num_running", "num_waiting", "num_s
 #: output, at most every ``STATS_INTERVAL_S``): the memory a backend gives back between bursts shows there
 IDLE_COLUMNS = ("t_s", "created_bytes", "mapped_bytes", "in_use_bytes", "idle_bytes", "device_used_bytes")
 
-#: ``backend_stats()`` (where vmem's created-page count comes from) summarises its latency samples, so
-#: it is read at most this often; between reads ``created_bytes`` is the last read, never below mapped
+#: idle gaps are sampled at most this often (seconds)
 STATS_INTERVAL_S = 0.05
 
 
@@ -64,13 +63,11 @@ class _Sampler:
         self.overhead_s = 0.0
         self.max_running = 0
         self.idle_cols = {c: [] for c in IDLE_COLUMNS}
-        self._stats: dict = {}
-        self._stats_t = -float("inf")
 
-    def _created(self, usage, now: float, final: bool) -> int:
-        if final or now - self._stats_t >= STATS_INTERVAL_S:
-            self._stats, self._stats_t = self.engine.kv_cache.backend_stats(), now
-        return created_bytes(usage, self._stats)
+    @staticmethod
+    def _created(usage, now: float, final: bool) -> int:
+        # CacheUsage.created_bytes: O(1), so every step can read it without perturbing the run
+        return created_bytes(usage)
 
     def sample_idle(self) -> None:
         """Append one ``idle_memory`` row (no step ran): at most every ``STATS_INTERVAL_S``."""
@@ -87,7 +84,7 @@ class _Sampler:
         self.overhead_s += time.perf_counter() - t0
 
     def sample(self, final: bool = False) -> None:
-        """Append one row; ``final`` reads ``backend_stats()`` whatever its age (the last row is exact)."""
+        """Append one row (``final``: the run's last)."""
         t0 = time.perf_counter()
         st = self.engine.get_stats()
         u = st.kv_usage

@@ -209,13 +209,13 @@ class PagedKVCache(KVCacheCore):
     # ------------------------------------------------------------------ introspection hooks
     def _memory_usage(self) -> dict:
         """allocated = blocks in use; waste = allocated minus the positions they cover (counted
-        by the block manager); mapped = reserved = capacity = the whole preallocated pool."""
+        by the block manager); created = mapped = reserved = capacity = the whole preallocated pool."""
         capacity = self.num_blocks * self.block_bytes
         allocated = self.pool.num_used_blocks * self.block_bytes
         return dict(allocated_bytes=allocated,
                     waste_bytes=allocated - self.spec.kv_bytes(self.blocks.num_covered_tokens),
                     capacity_bytes=capacity, mapped_bytes=capacity, reserved_bytes=capacity,
-                    free_tokens=self.free_tokens)
+                    created_bytes=capacity, free_tokens=self.free_tokens)
 
     def backend_stats(self) -> dict:
         """Block-pool counts: ``num_blocks``, ``block_size``, ``num_free_blocks``,

@@ -1,11 +1,10 @@
 """Physical KV memory held by a cache, next to the device memory in use: the numbers ``/metrics`` and
 ``vmkv compare engine`` plot over time to show memory following the load (issue 12, "Visible").
 
-Read fresh at every scrape / sampled step, through the KV-cache interface only (``usage()`` and
-``backend_stats()``), so memory that a backend gives back (vmem's shrink) shows as a fall:
+Read fresh at every scrape / sampled step, through the KV-cache interface only (``usage()``, O(1)), so memory that a backend gives back (vmem's shrink) shows as a fall:
 
-- created: physical KV memory that exists now (vmem: pages created and not released,
-  ``backend_stats()["num_pages_created"] x page_size_bytes``; paged: its static pool);
+- created: physical KV memory that exists now (``CacheUsage.created_bytes``; vmem: pages created and
+  not released; paged: its static pool);
 - mapped: created memory mapped into the cache's address space (``CacheUsage.mapped_bytes``);
 - in use: claimed by live sequences (``CacheUsage.allocated_bytes``);
 - idle: created but not in use (the reserve: free-but-kept pages, free blocks).
@@ -48,11 +47,14 @@ class KVMemory:
         return asdict(self)
 
 
-def created_bytes(usage: Any, stats: dict) -> int:
-    """Physical KV bytes that exist, from a ``CacheUsage`` and ``backend_stats()``: a backend's own
-    ``created_bytes`` if it reports one, else ``num_pages_created x page_size_bytes`` (vmem), else the
-    mapped bytes (paged: the whole pool is created up front).  Never below the mapped bytes."""
-    if "created_bytes" in stats:
+def created_bytes(usage: Any, stats: dict | None = None) -> int:
+    """Physical KV bytes that exist: ``CacheUsage.created_bytes`` (O(1), every backend fills it), else
+    from ``backend_stats()`` (a ``created_bytes`` key or ``num_pages_created x page_size_bytes``), else
+    the mapped bytes.  Never below the mapped bytes."""
+    stats = stats or {}
+    if getattr(usage, "created_bytes", 0):
+        created = int(usage.created_bytes)
+    elif "created_bytes" in stats:
         created = int(stats["created_bytes"])
     elif "num_pages_created" in stats and "page_size_bytes" in stats:
         created = int(stats["num_pages_created"]) * int(stats["page_size_bytes"])
@@ -80,9 +82,9 @@ def device_memory_used_bytes(device: Any = None) -> int:
     return _rss_bytes()
 
 
-def kv_memory(usage: Any, stats: dict, device_used: int) -> KVMemory:
-    """A :class:`KVMemory` from a cache's ``usage()``, its ``backend_stats()`` and the device memory in
-    use (:func:`device_memory_used_bytes`)."""
+def kv_memory(usage: Any, stats: dict | None, device_used: int) -> KVMemory:
+    """A :class:`KVMemory` from a cache's ``usage()`` (and optionally its ``backend_stats()``) and the
+    device memory in use (:func:`device_memory_used_bytes`)."""
     created = created_bytes(usage, stats)
     in_use = int(usage.allocated_bytes)
     return KVMemory(created_bytes=created, mapped_bytes=int(usage.mapped_bytes), in_use_bytes=in_use,
@@ -92,4 +94,5 @@ def kv_memory(usage: Any, stats: dict, device_used: int) -> KVMemory:
 
 def read_kv_memory(kv_cache: Any, device: Any = None) -> KVMemory:
     """:func:`kv_memory` of ``kv_cache`` now (call it on the thread that owns the cache)."""
-    return kv_memory(kv_cache.usage(), kv_cache.backend_stats(), device_memory_used_bytes(device))
+    # usage() only: O(1) (backend_stats() summarises latency samples; too slow to read every step)
+    return kv_memory(kv_cache.usage(), None, device_memory_used_bytes(device))

@@ -39,6 +39,8 @@ class CacheUsage:
         prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up / found in the prefix cache.
         num_cow_copies: copy-on-write copies made so far.
         unit_tokens: tokens per allocation unit (block size, or tokens per page; 0 if fractional).
+        created_bytes: physical KV memory that exists now (paged: the whole pool, created up front;
+            vmem: pages created and not yet released back to the device), >= ``mapped_bytes``.
     """
 
     num_seqs: int
@@ -53,6 +55,7 @@ class CacheUsage:
     prefix_hit_tokens: int = 0
     num_cow_copies: int = 0
     unit_tokens: int = 0
+    created_bytes: int = 0
 
     @property
     def waste_pct(self) -> float:

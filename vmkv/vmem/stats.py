@@ -150,6 +150,7 @@ class VMemStatsMixin:
         return dict(allocated_bytes=allocated, waste_bytes=allocated - used,
                     capacity_bytes=self.pool.max_pages * page,
                     mapped_bytes=self.mapper.num_mapped_pages() * page,
+                    created_bytes=self.pool.num_created * page,
                     reserved_bytes=self.layout.num_reservations * self.layout.reservation_bytes,
                     free_tokens=self._free_tokens())
 

@@ -102,6 +102,10 @@ def _payload(req: Request, args, model: str) -> dict:
         body["messages"] = [{"role": "user", "content": req.meta["prompt"]}]
     else:
         body["prompt"] = req.meta["prompt"]
+        if not isinstance(req.meta["prompt"], str):
+            # token-id prompts: ask for token ids back (vLLM's return_token_ids), so a model without a
+            # tokenizer, whose text is empty, still streams one timed chunk per token
+            body["return_token_ids"] = True
     return body
 
 
@@ -111,6 +115,13 @@ def _chunk_text(chunk: dict) -> str:
         return ""
     c = choices[0]
     return c.get("text") or (c.get("delta") or {}).get("content") or ""
+
+
+def _chunk_has_tokens(chunk: dict) -> bool:
+    """A chunk that carries generated tokens: text, or (``return_token_ids``) token ids, which a model
+    without a tokenizer streams with empty text."""
+    choices = chunk.get("choices") or []
+    return bool(_chunk_text(chunk)) or bool(choices and choices[0].get("token_ids"))
 
 
 async def send_one(client, url: str, body: dict, req: Request, headers: dict) -> RequestRecord:
@@ -132,7 +143,7 @@ async def send_one(client, url: str, body: dict, req: Request, headers: dict) ->
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if _chunk_text(chunk):
+                if _chunk_has_tokens(chunk):
                     times.append(time.perf_counter())
     except Exception as exc:  # any failure is recorded, the run goes on
         return RequestRecord(req.request_id, req.meta["prompt_len"], 0, start, None, None, success=False,

@@ -89,7 +89,7 @@ def sse_events(raw: str) -> list[str]:
 class RunningServer:
     """The real app on uvicorn in a background thread."""
 
-    def __init__(self, model_dir: Path, backend: str, engine_knobs: dict | None = None,
+    def __init__(self, model_dir: Path | None, backend: str, engine_knobs: dict | None = None,
                  **server_kwargs: Any) -> None:
         from vmkv.engine.llm_engine import LLMEngine
         from vmkv.server.app import build_app
@@ -97,7 +97,10 @@ class RunningServer:
         from vmkv.server.http_server import build_server
 
         knobs = {"driver": "host", "page_size_bytes": VMEM_PAGE_SIZE_BYTES} if backend == "vmem" else {}
-        self.engine = LLMEngine.from_args(str(model_dir), kv_backend=backend, device="cpu", dtype="float32",
+        if model_dir is None:                   # a random-weight model without a tokenizer
+            knobs["random_weights"] = "tiny"
+        self.engine = LLMEngine.from_args(None if model_dir is None else str(model_dir), kv_backend=backend,
+                                          device="cpu", dtype="float32",
                                           max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                           memory_bytes=4 << 20, **{**knobs, **(engine_knobs or {})})
         self.backend = backend

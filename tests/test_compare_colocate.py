@@ -66,3 +66,21 @@ def test_compare_engine_names_the_kv_reserve_flag_as_typed():
     args = p.parse_args(["--backends", "paged", "--kv-reserve", "1MiB"])
     with pytest.raises(ValueError, match="--kv-reserve is an option"):
         engine_bench.check_backends(args, ["paged"])
+
+
+def test_bench_times_token_id_chunks_of_a_model_without_a_tokenizer():
+    """The H200 co-location run at 6f38949 counted every request as failed ("no content chunk"): a
+    random-weight model streams empty text.  Token-id prompts now ask for token ids back, and a chunk
+    carrying them is a token arrival."""
+    from types import SimpleNamespace
+
+    from vmkv.compare import bench_cli
+    args = SimpleNamespace(temperature=0.0, no_ignore_eos=False, endpoint="/v1/completions")
+    req = SimpleNamespace(output_len=4, meta={"prompt": [1, 2, 3]})
+    assert bench_cli._payload(req, args, "m")["return_token_ids"] is True
+    text_req = SimpleNamespace(output_len=4, meta={"prompt": "the of and"})
+    assert "return_token_ids" not in bench_cli._payload(text_req, args, "m")
+    assert bench_cli._chunk_has_tokens({"choices": [{"text": "", "token_ids": [7]}]})
+    assert bench_cli._chunk_has_tokens({"choices": [{"text": "hi"}]})
+    assert not bench_cli._chunk_has_tokens({"choices": [{"text": "", "finish_reason": "length"}]})
+    assert not bench_cli._chunk_has_tokens({"choices": [], "usage": {"completion_tokens": 3}})

@@ -28,6 +28,7 @@ from server_helpers import (
     ServerProcess,
     make_tiny_model,
     post_json,
+    sse_events,
 )
 
 _MSG = [{"role": "user", "content": "hello"}]
@@ -553,3 +554,29 @@ def test_body_timeout_and_port_are_checked_serve_options():
                       ("--port", "-1"), ("--port", "http")]:
         with pytest.raises(SystemExit):
             parser.parse_args([flag, bad])
+
+
+@pytest.fixture(scope="module")
+def tokenizer_less_server():
+    srv = RunningServer(None, "paged")
+    yield srv
+    srv.stop()
+
+
+def test_return_token_ids_streams_a_chunk_per_token_for_a_model_without_text(tokenizer_less_server):
+    """A random-weight model has no tokenizer: its text is empty, so without token ids a streaming
+    client sees one final chunk and can time nothing (issue 12's co-location run on the H200).  With
+    ``return_token_ids`` every chunk carries the new token ids; without it the JSON has no such key."""
+    srv = tokenizer_less_server
+    body = {"model": SERVED, "prompt": [1, 2, 3, 4, 5], "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}
+    r = post_json(srv.http, "/v1/completions", body)
+    assert r.status_code == 200
+    events = [e.removeprefix("data: ") for e in sse_events(r.text)]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert len(ids) == 5 and len([c for c in chunks if c["choices"][0].get("token_ids")]) >= 2
+    full = post_json(srv.http, "/v1/completions", {**body, "stream": False}).json()
+    assert full["choices"][0]["token_ids"] == ids
+    plain = post_json(srv.http, "/v1/completions", {**body, "stream": False, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]

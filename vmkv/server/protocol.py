@@ -35,6 +35,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -318,6 +319,9 @@ class CompletionRequest(SamplingRequestFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: _Count = 16
     echo: bool = False
+    return_token_ids: bool = Field(False, description="extension (vLLM): each choice's generated token ids "
+                                                      "(streaming: each chunk's new ones), e.g. for models "
+                                                      "without a tokenizer")
     best_of: Annotated[int | None, _within(1, MAX_N)] = None
     logprobs: Annotated[int | None, Unsupported()] = None
     suffix: Annotated[str | None, Unsupported()] = None
@@ -464,7 +468,20 @@ class UsageInfo(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class CompletionChoice(BaseModel):
+class _TokenIds(BaseModel):
+    """``token_ids`` (``return_token_ids``), left out of the JSON unless asked for."""
+
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        data = handler(self)
+        if isinstance(data, dict) and data.get("token_ids") is None:
+            data.pop("token_ids", None)
+        return data
+
+
+class CompletionChoice(_TokenIds):
     index: int
     text: str
     logprobs: None = None
@@ -481,7 +498,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamChoice(BaseModel):
+class CompletionStreamChoice(_TokenIds):
     index: int
     text: str
     logprobs: None = None

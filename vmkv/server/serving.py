@@ -272,7 +272,8 @@ class OpenAIServing:
                 text = (info.prompt_text or "") + c.text if req.echo else c.text
                 choices.append(CompletionChoice(index=pi * req.n + c.index, text=text,
                                                 finish_reason=_finish_reason(c.finish_reason),
-                                                stop_reason=c.stop_reason))
+                                                stop_reason=c.stop_reason,
+                                                token_ids=list(c.token_ids) if req.return_token_ids else None))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                   choices=choices, usage=_usage(finals))
@@ -297,12 +298,13 @@ class OpenAIServing:
                     if idx in done:
                         continue
                     delta = c.delta_text                # new since this request's previous output
+                    ids = list(c.delta_token_ids) if req.return_token_ids else None
                     reason = _finish_reason(c.finish_reason)
-                    if delta or reason is not None:
+                    if delta or ids or reason is not None:
                         if reason is not None:
                             done.add(idx)
                         yield chunk([CompletionStreamChoice(index=idx, text=delta, finish_reason=reason,
-                                                            stop_reason=c.stop_reason)])
+                                                            stop_reason=c.stop_reason, token_ids=ids)])
                 if out.finished:
                     finals[pi] = out
             if req.include_usage:

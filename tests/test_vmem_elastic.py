@@ -230,6 +230,78 @@ def test_preallocated_pool_and_paged_never_release():
         paged.close()
 
 
+def _no_page_creation(cache, monkeypatch) -> dict:
+    """Make page creation fail with ENOMEM (memory held by another process); returns a call counter."""
+    from vmkv.vmem.driver import VMMError
+    inner = getattr(cache.driver, "inner", cache.driver)
+    calls = {"n": 0}
+
+    def no_memory():
+        calls["n"] += 1
+        raise VMMError(inner.calls["create_page"], "ENOMEM (Cannot allocate memory)", "injected")
+    monkeypatch.setattr(inner, "_create_page", no_memory)     # the OS call under CheckedDriver
+    return calls
+
+
+def test_out_of_memory_on_page_creation_reuses_idle_pages(monkeypatch):
+    """Creating a page fails (outside pressure) while freed slots keep idle pages: the allocation
+    reuses them, kept pages without a prefix entry first, then cached ones least recently used
+    (their entries dropped: a later lookup is a miss), instead of failing."""
+    cache = make_cache(grace_s=float("inf"), reserve=0, max_model_len=2048)
+    p1, p2 = list(range(600)), list(range(1000, 1600))      # two full cached pages each
+    try:
+        fill(cache, 1, 1024, 1.0)                            # 4 pages, no prefix entry
+        fill(cache, 2, 600, 2.0, token_ids=p1)               # 3 pages, 2 cached
+        fill(cache, 3, 600, 3.0, token_ids=p2)
+        cache.prepare([StepSeq(2, 0, 600), StepSeq(3, 0, 600)])
+        for s in (1, 2, 3):                                  # p1 is used less recently than p2
+            cache.free(s)
+        assert len(cache.prefix) == 4 and cache.mapper.num_idle_pages() == 10
+        created = cache.backend_stats()["num_pages_created"]
+        calls = _no_page_creation(cache, monkeypatch)
+        fill(cache, 4, 2048, 4.0)                            # 8 pages, none can be created
+        assert calls["n"] > 0 and cache.backend_stats()["num_pages_created"] == created
+        assert cache.mapper.num_reused_on_oom > 0
+        assert_filled(cache, 4, 2048, 4.0)
+        cache.check_integrity()
+        assert len(cache.prefix) == 2                        # p1's entries evicted, p2's kept
+        cache.free(4)
+        monkeypatch.undo()
+        assert cache.allocate(5, 600, token_ids=p2) == 512   # still a hit
+        assert cache.allocate(6, 600, token_ids=p1) == 0     # reused: a miss, never a stale read
+        assert_filled_prefix(cache, 5, 512, 3.0)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_out_of_memory_reuse_skips_pages_whose_fence_is_pending(monkeypatch):
+    from vmkv import KVCacheFullError
+    cache = make_cache(grace_s=float("inf"), reserve=0)
+    done = {"fence": False}
+    monkeypatch.setattr(cache.driver, "record_fence", lambda: object())
+    monkeypatch.setattr(cache.driver, "fence_done", lambda fence: done["fence"])
+    try:
+        fill(cache, 1, 1024, 1.0)                            # 2 slots x 4 pages kept behind
+        fill(cache, 2, 1024, 2.0)                            # pending fences
+        cache.free(1)
+        cache.free(2)
+        _no_page_creation(cache, monkeypatch)
+        before = (cache.usage(), cache.mapper.num_idle_pages(), cache.driver.num_mappings)
+        with pytest.raises(KVCacheFullError) as err:         # one slot's 4 in place, the other's
+            cache.allocate(3, 2048)                          # kernels may still read: untouched
+        assert err.value.transient
+        assert (cache.usage(), cache.mapper.num_idle_pages(), cache.driver.num_mappings) == before
+        cache.check_integrity()
+        done["fence"] = True
+        fill(cache, 3, 2048, 3.0)                            # fences done: reused
+        assert_filled(cache, 3, 2048, 3.0)
+        assert cache.mapper.num_reused_on_oom > 0
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
 # ------------------------------------------------------------------ the engine
 @pytest.fixture
 def clock(monkeypatch):

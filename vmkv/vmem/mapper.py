@@ -16,7 +16,9 @@ cached page that a new occupant (or growth) of its slot would overwrite is moved
 still cached) while plain pages can replace it.  When the pool runs short, pages are taken in this
 order (as the paged block pool does): plain pool pages, kept pages without a prefix entry, then
 the least recently used cached pages (kept or cached free), whose entries are dropped (eviction).
-Idle pages are released back to the driver only by the elastic shrink (``elastic.py``).
+The same order applies when creating a page fails for want of memory (another process holds it):
+idle pages are reused instead (:meth:`SlotMapper._acquire`), those whose fence is pending excepted,
+before the operation gives up with a transient full cache.  Idle pages are released back to the driver only by the elastic shrink (``elastic.py``).
 
 Pages are mapped in **batches**: every operation that maps several pages of a slot at once (occupy,
 grow, share, look-ahead, prefetch) maps them without access and then grants access with one
@@ -40,6 +42,7 @@ from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.elastic import ElasticMixin
 from vmkv.vmem.mapper_check import MapperCheckMixin
 from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError
+from vmkv.vmem.protocol import VMMError
 from vmkv.vmem.slot_ops import SlotOpsMixin
 
 if TYPE_CHECKING:
@@ -117,6 +120,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.num_prefetched_pages = 0
         self.num_prefix_evictions = 0
         self.num_released_pages = 0
+        self.num_reused_on_oom = 0       # page creations out of memory answered by idle pages
 
     # ------------------------------------------------------------------ primitives
     def va(self, res: int, slot: int, unit: int) -> int:
@@ -250,11 +254,12 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
             return (entry is not None, self.table.last_use[p], -entry.depth if entry else 0, p)
         return sorted(candidates, key=key)
 
-    def reclaim(self, num_pages: int, exclude: frozenset = frozenset()) -> int:
+    def reclaim(self, num_pages: int, exclude: frozenset = frozenset(), wait: bool = True) -> int:
         """Make ``num_pages`` more pool pages plain available: unmap reclaimable kept pages without
         a prefix entry, then evict the least recently used cached pages (cached free pool pages,
-        or reclaimable kept ones, unmapped); never a page in ``exclude``.  Returns the number of
-        pages made available."""
+        or reclaimable kept ones, unmapped); never a page in ``exclude``.  ``wait=False``: skip a
+        kept page whose fence is pending instead of waiting for it.  Returns the number of pages
+        made available."""
         start = self.pool.num_plain_available
         target = start + num_pages
         reclaimed = evicted = 0
@@ -265,6 +270,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
                 self.pool.evict(page)
                 evicted += 1
             elif page in self.table.reclaimable:
+                if not wait and self._fence_pending(page):
+                    continue
                 if self.prefix.is_cached(page):
                     self._forget(page)
                     evicted += 1
@@ -289,3 +296,21 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
             raise PagePoolExhaustedError(
                 f"needed {num_pages} pages, {self.pool.num_plain_available} available after "
                 f"reclaiming (plan/execute mismatch)")
+
+    def _acquire(self, exclude: frozenset = frozenset(), want: int = 1) -> int:
+        """A fresh pool page (:meth:`PagePool.acquire`: plain free first, else a new one).  When the
+        driver cannot create one for want of memory (held by another process), idle pages are
+        reused instead: up to ``want`` made plain free in reclamation order (:meth:`reclaim`),
+        never a page in ``exclude`` or a pending copy source, never one whose fence is pending.
+        Raises the driver's out-of-memory error when none is left (the cache turns it into a
+        transient ``KVCacheFullError``)."""
+        try:
+            return self.pool.acquire()
+        except VMMError as e:
+            if not (e.out_of_memory and e.call == self.driver.calls.get("create_page")):
+                raise
+            if not self.reclaim(max(1, want), exclude | self._pending, wait=False):
+                raise
+            self.num_reused_on_oom += 1
+            logger.debug("page creation out of memory (%s): reusing idle pages", e.code)
+        return self.pool.acquire()

@@ -43,11 +43,11 @@ class SlotOpsMixin:
                 self._wait_slot(slot)
                 self._unmap(slot, u, r)
 
-    def _fill_holes(self, slot: Slot, units: Iterable[int], given=None) -> int:
+    def _fill_holes(self, slot: Slot, units: Iterable[int], given=None, reuse: bool = True) -> int:
         """Map every hole of ``units`` of ``slot`` in one batch: ``given(unit, res)`` (a prefix-hit or
         parent page, mapped or cached free) where it returns a page, else a fresh pool page
-        (reclaiming kept pages, never a given one, if the pool is short).  Returns the number of
-        pages mapped."""
+        (reclaiming kept pages, never a given one, if the pool is short or, with ``reuse``, if
+        page creation runs out of memory).  Returns the number of pages mapped."""
         items: list[tuple[int, int, int | None]] = []
         for u in units:
             for r in range(self.num_res):
@@ -61,11 +61,13 @@ class SlotOpsMixin:
         for p in acquired:
             self.pool.revive(p)
         try:
+            exclude = frozenset(p for *_, p in items if p is not None)
             if num_fresh:
-                self._ensure_pool(num_fresh, frozenset(p for *_, p in items if p is not None))
+                self._ensure_pool(num_fresh, exclude)
             for i, (u, r, p) in enumerate(items):
                 if p is None:
-                    p = self.pool.acquire()
+                    p = self._acquire(exclude, num_fresh) if reuse else self.pool.acquire()
+                    num_fresh -= 1
                     acquired.append(p)
                     items[i] = (u, r, p)
             self._map_batch(slot, items)
@@ -133,7 +135,7 @@ class SlotOpsMixin:
         fresh += self.plan_writable(slot, cow_units, range(self.num_res))
         return fresh, self.available_pages() - leaving
 
-    def _claim_units(self, slot: Slot, old: int, end: int) -> None:
+    def _claim_units(self, slot: Slot, old: int, end: int, reuse: bool = True) -> None:
         """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped
         (after the slot's fence), kept cached pages move out (:meth:`_move_out_cached`), other kept
         pages are reused, holes get fresh pages in one batch; on failure the claim is undone."""
@@ -146,7 +148,7 @@ class SlotOpsMixin:
         self._move_out_cached(slot, range(old, end))
         self._set_claimed(slot, end)
         try:
-            self._fill_holes(slot, range(old, end))
+            self._fill_holes(slot, range(old, end), reuse=reuse)
         except BaseException:
             self._set_claimed(slot, old)
             raise
@@ -221,8 +223,9 @@ class SlotOpsMixin:
     def _cow(self, slot: Slot, unit: int, res: int) -> tuple:
         old = slot.page(unit, res)
         src = self.slots[min(self.table.slots_of(old) - {slot.index})]
-        self._ensure_pool(1, frozenset(self._pending | {old}))
-        new = self.pool.acquire()
+        exclude = frozenset(self._pending | {old})
+        self._ensure_pool(1, exclude)
+        new = self._acquire(exclude)
         if self._is_claimed(slot, unit):
             self._sync()        # kernels of earlier steps may still read this slot's page
         else:
@@ -277,7 +280,7 @@ class SlotOpsMixin:
             end = u + 1
         if end == old:
             return
-        self._claim_units(slot, old, end)
+        self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
 
     def prefetch(self, slot: Slot, num_units: int) -> int:
         """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of live
@@ -302,6 +305,6 @@ class SlotOpsMixin:
                 break
             budget -= holes
             end = u + 1
-        mapped = self._fill_holes(slot, range(slot.claimed, end))
+        mapped = self._fill_holes(slot, range(slot.claimed, end), reuse=False)
         self.num_prefetched_pages += mapped
         return mapped

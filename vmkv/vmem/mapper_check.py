@@ -48,6 +48,7 @@ class MapperCheckMixin:
             "num_pages_created": self.pool.num_created,
             "num_released_pages": self.num_released_pages,
             "num_idle_pages": self.num_idle_pages(),
+            "num_reused_on_oom": self.num_reused_on_oom,
         }
 
     def check_integrity(self) -> None:

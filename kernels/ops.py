@@ -4,12 +4,15 @@ Backends call only these functions; each takes explicit tensors (no engine types
 the implementation:
 
 - ``"auto"`` (default): the Triton kernel when the tensors are on CUDA, Triton imports and the kernel takes
-  the inputs (fp16/bf16/fp32, q in the cache dtype, ``stride(-1) == 1``, power-of-two paged block size),
-  else the pure-torch reference (:mod:`vmkv.kernels.reference`), which is the CPU path.
+  the inputs (fp16/bf16/fp32, q in the cache dtype, ``stride(-1) == 1``, power-of-two paged block size);
+  off CUDA, ``"sdpa"`` for fp16/bf16/fp32 with q in the cache dtype (torch's CPU flash kernel: the CPU
+  path of both backends); else the pure-torch reference (:mod:`vmkv.kernels.reference`).
 - ``"triton"``: the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``, for tests).
-- ``"torch"``: the reference.
-- ``"sdpa"`` (``contiguous_attention`` only): unmodified ``scaled_dot_product_attention`` on slot views
-  (:mod:`vmkv.kernels.sdpa`, vAttention's thesis).
+- ``"torch"``: the reference (float32/float64 math; the oracle in tests).
+- ``"sdpa"``: ``scaled_dot_product_attention`` (:mod:`vmkv.kernels.sdpa`): unmodified on vmem slot views
+  (vAttention's thesis), on each sequence's gathered blocks for the paged layout.
+
+Attention (not ``write_kv``) accepts ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from vmkv.kernels import _checks
 from vmkv.kernels import reference as ref
 
 _IMPLS = ("auto", "triton", "torch")
+#: dtypes ``auto`` sends to SDPA off CUDA (float64 stays on the reference)
+SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernel_fits(q: torch.Tensor | None, key_cache: torch.Tensor, paged: bool) -> bool:
@@ -32,14 +37,23 @@ def _kernel_fits(q: torch.Tensor | None, key_cache: torch.Tensor, paged: bool) -
     return not paged or (block_size > 0 and block_size & (block_size - 1) == 0)
 
 
+def _sdpa_fits(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Inputs ``auto`` sends to SDPA off CUDA: fp16/bf16/fp32 with q in the cache dtype."""
+    return q.dtype in SDPA_DTYPES and key_cache.dtype == q.dtype
+
+
 def _pick(impl: str, device: torch.device, dtype: torch.dtype, extra: tuple[str, ...] = (),
-          fits: bool = True) -> str:
+          fits: bool = True, sdpa_fits: bool = False) -> str:
+    """``sdpa_fits``: ``auto`` off CUDA picks ``"sdpa"`` (callers that offer it pass
+    :func:`_sdpa_fits`); otherwise the reference."""
     if impl not in _IMPLS + extra:
         raise ValueError(f"impl must be one of {_IMPLS + extra}, got {impl!r}")
     if impl == "auto":
         ok = (device.type == "cuda" and _checks.triton_available() and dtype in _checks.KERNEL_DTYPES
               and fits)
-        return "triton" if ok else "torch"
+        if ok:
+            return "triton"
+        return "sdpa" if device.type != "cuda" and sdpa_fits and "sdpa" in extra else "torch"
     if impl == "triton" and not _checks.triton_can_run(device):
         raise ValueError(
             f"impl='triton' cannot run on {device}: Triton needs CUDA tensors (or TRITON_INTERPRET=1 "
@@ -99,15 +113,21 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         query_start_loc: ``int32 [num_seqs + 1]``; seq_lens: ``int32 [num_seqs]``.
         seq_lens_host, query_lens_host: host copies (used by the reference).
         max_query_len, max_seq_len: host ints; scale: softmax scale.
-        impl: ``"auto" | "triton" | "torch"`` (module docstring).
+        impl: ``"auto" | "triton" | "torch" | "sdpa"`` (module docstring).
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
     Raises:
         ValueError: bad ``impl`` or inputs the Triton kernels reject (dtype, device, strides, shapes).
     """
-    if _pick(impl, q.device, q.dtype, fits=_kernel_fits(q, key_cache, True)) == "triton":
+    chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",), fits=_kernel_fits(q, key_cache, True),
+                   sdpa_fits=_sdpa_fits(q, key_cache))
+    if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, block_tables=block_tables)
+    if chosen == "sdpa":
+        from vmkv.kernels.sdpa import sdpa_paged_attention
+        return sdpa_paged_attention(q, key_cache, value_cache, block_tables, seq_lens_host,
+                                    query_lens_host, scale)
     return ref.paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens_host,
                                    query_lens_host, scale)
 
@@ -137,7 +157,8 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     Raises:
         ValueError: bad ``impl`` or inputs the Triton kernels reject.
     """
-    chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",), fits=_kernel_fits(q, key_cache, False))
+    chosen = _pick(impl, q.device, q.dtype, extra=("sdpa",), fits=_kernel_fits(q, key_cache, False),
+                   sdpa_fits=_sdpa_fits(q, key_cache))
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, slot_indices=slot_indices, key_anchor=key_anchor,

@@ -1,4 +1,5 @@
-"""Unmodified ``torch.nn.functional.scaled_dot_product_attention`` on vmem slot views.
+"""Unmodified ``torch.nn.functional.scaled_dot_product_attention`` on vmem slot views, and on paged
+blocks gathered into a contiguous view (the CPU path of both backends: torch's CPU flash kernel).
 
 vAttention's thesis (Prabhu et al., "vAttention: Dynamic Memory Management for Serving LLMs without
 PagedAttention", ASPLOS 2025, section 3): when each request's K/V is virtually contiguous, an
@@ -11,6 +12,9 @@ same lengths and the slots are consecutive (one strided view covers them all) an
 per sequence.  The causal mask is aligned bottom-right (queries are the last ``query_len`` positions):
 ``is_causal`` when the query covers the whole context, no mask for a single query token, and an
 explicit boolean mask otherwise (chunked prefill).
+
+The paged layout (:func:`sdpa_paged_attention`) gathers each sequence's blocks into one contiguous
+``[seq_len, H, D]`` copy (once per sequence per layer call) and runs the same per-sequence SDPA.
 """
 
 from __future__ import annotations
@@ -52,13 +56,7 @@ def sdpa_slot_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         ValueError: the per-sequence lists disagree in length or with ``q``.
     """
     slots, seq_lens, query_lens = list(slots), list(seq_lens), list(query_lens)
-    if not len(slots) == len(seq_lens) == len(query_lens):
-        raise ValueError(
-            f"slots ({len(slots)}), seq_lens ({len(seq_lens)}) and query_lens ({len(query_lens)}) "
-            f"must have one entry per sequence"
-        )
-    if sum(query_lens) != q.shape[0]:
-        raise ValueError(f"query_lens sum to {sum(query_lens)} but q has {q.shape[0]} tokens")
+    _check_lists(q, seq_lens, query_lens, len(slots), "slots")
     if out is None:
         out = torch.empty_like(q)
     num_seqs = len(slots)
@@ -75,11 +73,67 @@ def sdpa_slot_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         o = _sdpa(qb, k, v, n, length, scale)
         out.view(num_seqs, n, *q.shape[1:]).copy_(o.transpose(1, 2))
         return out
+    _per_sequence(q, out, ((key_cache[slot, :length], value_cache[slot, :length], length, n)
+                           for slot, length, n in zip(slots, seq_lens, query_lens)), scale)
+    return out
+
+
+def _per_sequence(q: torch.Tensor, out: torch.Tensor, seqs, scale: float) -> None:
+    """One SDPA call per sequence; ``seqs`` yields ``(k, v, seq_len, query_len)`` with k/v
+    ``[seq_len, Hkv, D]`` (views or copies); writes ``out`` in place."""
     start = 0
-    for slot, length, n in zip(slots, seq_lens, query_lens):
-        k = key_cache[slot, :length].transpose(0, 1).unsqueeze(0)      # [1, Hkv, L, D] view
-        v = value_cache[slot, :length].transpose(0, 1).unsqueeze(0)
+    for k, v, length, n in seqs:
+        kb = k.transpose(0, 1).unsqueeze(0)                            # [1, Hkv, L, D] view
+        vb = v.transpose(0, 1).unsqueeze(0)
         qs = q[start:start + n].transpose(0, 1).unsqueeze(0)           # [1, Hq, n, D]
-        out[start:start + n] = _sdpa(qs, k, v, n, length, scale)[0].transpose(0, 1)
+        out[start:start + n] = _sdpa(qs, kb, vb, n, length, scale)[0].transpose(0, 1)
         start += n
+
+
+def _check_lists(q: torch.Tensor, seq_lens: list[int], query_lens: list[int], num_seqs: int,
+                 what: str) -> None:
+    if not num_seqs == len(seq_lens) == len(query_lens):
+        raise ValueError(
+            f"{what} ({num_seqs}), seq_lens ({len(seq_lens)}) and query_lens ({len(query_lens)}) "
+            f"must have one entry per sequence"
+        )
+    if sum(query_lens) != q.shape[0]:
+        raise ValueError(f"query_lens sum to {sum(query_lens)} but q has {q.shape[0]} tokens")
+
+
+def sdpa_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: Sequence[int],
+                         query_lens: Sequence[int], scale: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over a paged cache with SDPA: each sequence's blocks are gathered into one
+    contiguous ``[seq_len, H, D]`` copy (one ``index_select`` per K and V), then the per-sequence
+    SDPA of :func:`sdpa_slot_attention` runs on it.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, sequences' new tokens concatenated.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``int [num_seqs, max_blocks]`` (on the cache's device).
+        seq_lens, query_lens: host ints per sequence (context after the step, new tokens).
+        scale: softmax scale.
+        out: optional ``[num_tokens, num_heads, head_dim]`` output.
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    Raises:
+        ValueError: the per-sequence lists disagree in length or with ``q``.
+    """
+    seq_lens, query_lens = list(seq_lens), list(query_lens)
+    _check_lists(q, seq_lens, query_lens, block_tables.shape[0], "block_tables rows")
+    if out is None:
+        out = torch.empty_like(q)
+    block_size = key_cache.shape[1]
+    kv_shape = key_cache.shape[2:]
+
+    def gathered():
+        for i, (length, n) in enumerate(zip(seq_lens, query_lens)):
+            blocks = block_tables[i, :-(-length // block_size)].long()
+            k = key_cache.index_select(0, blocks).reshape(-1, *kv_shape)[:length]
+            v = value_cache.index_select(0, blocks).reshape(-1, *kv_shape)[:length]
+            yield k, v, length, n
+
+    _per_sequence(q, out, gathered(), scale)
     return out

@@ -366,13 +366,15 @@ def test_ops_sdpa_batches_consecutive_slots():
     _assert_matches(out, expected, torch.float32)
 
 
-def test_ops_rejects_unknown_impl_and_auto_is_reference_on_cpu():
+def test_ops_rejects_unknown_impl_and_auto_is_sdpa_on_cpu():
     with pytest.raises(ValueError, match="impl must be one of"):
         _step("paged16", [3], [1], impl="cuda")
-    with pytest.raises(ValueError, match="impl must be one of"):
-        _step("paged16", [3], [1], impl="sdpa")  # sdpa is a vmem-only path
-    if not HAS_CUDA:
-        assert ops._pick("auto", torch.device("cpu"), torch.float16) == "torch"
+    cpu = torch.device("cpu")
+    for dtype in ops.SDPA_DTYPES:   # the CPU path of both layouts is SDPA (paged gathers first)
+        assert ops._pick("auto", cpu, dtype, extra=("sdpa",), sdpa_fits=True) == "sdpa"
+    assert ops._pick("auto", cpu, torch.float32, extra=("sdpa",), sdpa_fits=False) == "torch"
+    assert ops._pick("auto", cpu, torch.float32) == "torch"            # write_kv offers no sdpa
+    assert ops._pick("torch", cpu, torch.float32, extra=("sdpa",), sdpa_fits=True) == "torch"
     assert ops._pick("auto", DEVICE, torch.float64) == "torch"
     assert ops._pick("auto", DEVICE, torch.float16, fits=False) == "torch"
     cache = torch.zeros(4, 12, 2, 16, dtype=torch.float16, device=DEVICE)  # block size 12: not a power of 2

@@ -146,9 +146,9 @@ def check_launch_pointers(monkeypatch, driver, force_triton: bool = True) -> lis
     if force_triton:
         pick = ops._pick
 
-        def _pick(impl, device, dtype, extra=(), fits=True):
+        def _pick(impl, device, dtype, extra=(), fits=True, **kwargs):
             if impl == "auto" and fits and _checks.triton_can_run(device) and dtype in _checks.KERNEL_DTYPES:
                 return "triton"
-            return pick(impl, device, dtype, extra, fits)
+            return pick(impl, device, dtype, extra, fits, **kwargs)
         monkeypatch.setattr(ops, "_pick", _pick)
     return launches

@@ -22,8 +22,8 @@ __all__ = ["VMemOptions", "LAYOUTS", "DRIVERS", "ATTENTION_IMPLS", "DEFAULT_KV_R
 LAYOUTS = ("megacache", "per_layer")
 #: page drivers: ``auto`` picks ``cuda`` for a CUDA device and ``host`` (mmap + memfd) otherwise
 DRIVERS = ("auto", "cuda", "host")
-#: ``vmkv.kernels.ops.contiguous_attention`` implementations: ``auto`` (Triton on CUDA, the torch
-#: reference elsewhere), ``triton``, ``torch``, ``sdpa`` (unmodified
+#: ``vmkv.kernels.ops.contiguous_attention`` implementations: ``auto`` (Triton on CUDA, SDPA on CPU
+#: for fp16/bf16/fp32, else the torch reference), ``triton``, ``torch``, ``sdpa`` (unmodified
 #: ``scaled_dot_product_attention`` on slot views: vAttention's thesis)
 ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa")
 

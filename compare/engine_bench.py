@@ -25,7 +25,7 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
-from vmkv.engine.args import option_choices, option_help, parse_size, size_or_zero
+from vmkv.engine.args import add_backend_option_args
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
 
@@ -66,22 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     # backend options (choices, help and defaults from the backends' options classes): each backend
     # gets the ones its options have; a value but the default that no listed backend takes is an error
-    cc = CacheConfig()
-    e.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
-    e.add_argument("--page-size", type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
-                   help=option_help("page_size_bytes"))
-    e.add_argument("--layout", default=cc.layout, choices=option_choices("layout"), help=option_help("layout"))
-    e.add_argument("--driver", default=cc.driver, choices=option_choices("driver"), help=option_help("driver"))
-    e.add_argument("--attention-impl", default=cc.attention_impl, choices=option_choices("attention_impl"),
-                   help=option_help("attention_impl", "; given to the backends that have the option"))
-    e.add_argument("--lookahead-tokens", type=int, default=cc.lookahead_tokens, metavar="N",
-                   help=option_help("lookahead_tokens"))
-    e.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
-                   help=option_help("preallocate"))
-    e.add_argument("--kv-reserve", dest="kv_reserve_bytes", type=size_or_zero, default=cc.kv_reserve_bytes,
-                   metavar="SIZE", help=option_help("kv_reserve_bytes"))
-    e.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
-                   help=option_help("kv_shrink_grace_s"))
+    add_backend_option_args(e, "--page-size", "; given to the backends that have the option")
     e.add_argument("--no-prefix-caching", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")

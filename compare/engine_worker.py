@@ -64,11 +64,6 @@ class _Sampler:
         self.max_running = 0
         self.idle_cols = {c: [] for c in IDLE_COLUMNS}
 
-    @staticmethod
-    def _created(usage, now: float, final: bool) -> int:
-        # CacheUsage.created_bytes: O(1), so every step can read it without perturbing the run
-        return created_bytes(usage)
-
     def sample_idle(self) -> None:
         """Append one ``idle_memory`` row (no step ran): at most every ``STATS_INTERVAL_S``."""
         t0 = time.perf_counter()
@@ -76,7 +71,7 @@ class _Sampler:
         if ts and t0 - self.start - ts[-1] < STATS_INTERVAL_S:
             return
         u = self.engine.kv_cache.usage()
-        created = self._created(u, t0, final=True)
+        created = created_bytes(u)          # O(1): reading it never perturbs the run
         row = (t0 - self.start, created, u.mapped_bytes, u.allocated_bytes, max(0, created - u.allocated_bytes),
                device_memory_used_bytes(self.cuda_device))
         for c, v in zip(IDLE_COLUMNS, row):
@@ -88,7 +83,7 @@ class _Sampler:
         t0 = time.perf_counter()
         st = self.engine.get_stats()
         u = st.kv_usage
-        created = self._created(u, t0, final)
+        created = created_bytes(u)
         row = (t0 - self.start, st.last_step_time_s, st.alloc_time_s_total - self.prev_alloc_s, st.num_running,
                st.num_waiting, u.num_seqs, u.used_tokens, u.allocated_bytes, u.mapped_bytes, u.waste_bytes,
                u.free_tokens, created, u.allocated_bytes, max(0, created - u.allocated_bytes),

@@ -155,21 +155,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           "memory on CUDA)")
     mem.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization,
                      help="fraction of free GPU memory for KV (default: %(default)s)")
-    g.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
-    g.add_argument("--page-size-bytes", type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
-                   help=option_help("page_size_bytes"))
-    g.add_argument("--layout", choices=option_choices("layout"), default=cc.layout, help=option_help("layout"))
-    g.add_argument("--driver", choices=option_choices("driver"), default=cc.driver, help=option_help("driver"))
-    g.add_argument("--attention-impl", choices=option_choices("attention_impl"), default=cc.attention_impl,
-                   help=option_help("attention_impl", "; other backends refuse a value but the default"))
-    g.add_argument("--lookahead-tokens", type=int, default=cc.lookahead_tokens, metavar="N",
-                   help=option_help("lookahead_tokens"))
-    g.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
-                   help=option_help("preallocate"))
-    g.add_argument("--kv-reserve", dest="kv_reserve_bytes", type=size_or_zero, default=cc.kv_reserve_bytes,
-                   metavar="SIZE", help=option_help("kv_reserve_bytes"))
-    g.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
-                   help=option_help("kv_shrink_grace_s"))
+    add_backend_option_args(g, "--page-size-bytes", "; other backends refuse a value but the default")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cc.enable_prefix_caching, help=option_help("enable_prefix_caching"))
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -179,6 +165,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split long prompts over steps (default: %(default)s)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def add_backend_option_args(g, page_size_flag: str, attention_note: str) -> None:
+    """The backend-option flags of ``serve``/``generate`` and ``compare engine``, once: choices, help
+    and defaults from the backends' options classes (``page_size_flag``: the flag name of
+    ``page_size_bytes``, dest from it; ``attention_note``: appended to ``--attention-impl``'s help)."""
+    cc = CacheConfig()
+    g.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
+    g.add_argument(page_size_flag, type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
+                   help=option_help("page_size_bytes"))
+    g.add_argument("--layout", choices=option_choices("layout"), default=cc.layout, help=option_help("layout"))
+    g.add_argument("--driver", choices=option_choices("driver"), default=cc.driver, help=option_help("driver"))
+    g.add_argument("--attention-impl", choices=option_choices("attention_impl"), default=cc.attention_impl,
+                   help=option_help("attention_impl", attention_note))
+    g.add_argument("--lookahead-tokens", type=int, default=cc.lookahead_tokens, metavar="N",
+                   help=option_help("lookahead_tokens"))
+    g.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
+                   help=option_help("preallocate"))
+    g.add_argument("--kv-reserve", dest="kv_reserve_bytes", type=size_or_zero, default=cc.kv_reserve_bytes,
+                   metavar="SIZE", help=option_help("kv_reserve_bytes"))
+    g.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
+                   help=option_help("kv_shrink_grace_s"))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

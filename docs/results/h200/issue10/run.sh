@@ -8,7 +8,7 @@ O=${OUT:-/tmp/out}; mkdir -p "$O"
 C=$(cat COMMIT)
 { echo "commit: $C"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$O/env.txt" 2>&1
-T="tests/test_vmem_cuda.py tests/test_vmem_pressure_cuda.py tests/test_vmem_prefix_cuda.py tests/test_engine_gpu.py tests/test_kernels.py"
+T=${TESTS:-"tests/test_vmem_cuda.py tests/test_vmem_pressure_cuda.py tests/test_vmem_prefix_cuda.py tests/test_engine_gpu.py tests/test_kernels.py"}
 { echo "# commit $C"; echo "\$ python3 -m pytest -q -p no:cacheprovider -rfEs $T"; } > "$O/pytest_gpu.log"
 timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -rfEs $T 2>&1 | tee -a "$O/pytest_gpu.log" | tail -25
 if [ "${BENCH:-1}" = 1 ]; then

@@ -76,7 +76,8 @@ def test_defaults_come_from_the_configs():
     ec, cc, sc = EngineConfig(), CacheConfig(), SchedulerConfig()
     assert kw == dict(
         model=ec.model, kv_backend=cc.backend, device=ec.device, dtype=ec.dtype, seed=ec.seed,
-        random_weights=ec.random_weights, max_num_seqs=sc.max_num_seqs,
+        random_weights=ec.random_weights, enforce_eager=ec.enforce_eager,
+        cuda_graph_sizes=ec.cuda_graph_sizes, max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
         memory_bytes=cc.memory_bytes, gpu_memory_utilization=cc.gpu_memory_utilization,
         block_size=cc.block_size, page_size_bytes=cc.page_size_bytes, layout=cc.layout,
@@ -343,3 +344,13 @@ def test_attention_impl_sdpa_reaches_the_vmem_cache_and_generates_the_same_token
                  "vmem", "--driver", "host", "--memory-bytes", "1MiB", "--seed", "2", "--attention-impl", "sdpa",
                  "--max-tokens", "5", "--ignore-eos", "--no-stream", "--prompt-token-ids", "1,2,3"]) == 0
     assert capsys.readouterr().out == ",".join(map(str, want)) + "\n"
+
+
+def test_graph_flags_reach_the_config():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--enforce-eager", "--cuda-graph-sizes", "8", "1", "4"]))
+    cfg = EngineConfig.from_args(**kw)
+    assert cfg.enforce_eager is True and cfg.cuda_graph_sizes == (1, 4, 8)
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineConfig(cuda_graph_sizes=(0,))

@@ -192,6 +192,12 @@ class EngineConfig:
         seed: seeds the sampler's shared generator (requests without their own seed).
         random_weights: a named random-weight shape (``"tiny"``, ``"smollm2-135m"``,
             ``"llama3-8b"``, ...) instead of a checkpoint, for benchmarks.
+        enforce_eager: never capture CUDA graphs; every step runs eagerly (vLLM's
+            ``--enforce-eager``).  Graphs are captured only on CUDA with the Triton kernels.
+        cuda_graph_sizes: decode batch sizes to capture (vLLM's ``--cuda-graph-sizes``); ``None``:
+            1, 2, 4 and every multiple of 8 up to ``max_num_seqs`` (and ``max_num_seqs`` itself).
+            A decode step of ``B`` sequences replays the smallest captured size ``>= B``; larger
+            steps run eagerly.
     Raises:
         ValueError: a field is out of range.
     """
@@ -203,8 +209,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     random_weights: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"EngineConfig.enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if (not isinstance(sizes, (tuple, list)) or not sizes
+                    or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes)):
+                raise ValueError(f"EngineConfig.cuda_graph_sizes must be a non-empty list of ints >= 1 "
+                                 f"or None, got {sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {list(ENGINE_DTYPES)} or None, "
                              f"got {self.dtype!r}")
@@ -227,7 +244,7 @@ class EngineConfig:
         """
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)} - {"backend"}
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        engine_fields = {"seed", "random_weights"}
+        engine_fields = {"seed", "random_weights", "enforce_eager", "cuda_graph_sizes"}
         unknown = set(knobs) - cache_fields - sched_fields - engine_fields
         if unknown:
             valid = sorted(cache_fields | sched_fields | engine_fields)

@@ -25,7 +25,7 @@ ENGINE_FLAGS = [
     "--memory-bytes", "64MiB", "--block-size", "32", "--page-size-bytes", "128KiB",
     "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa", "--lookahead-tokens", "32",
     "--preallocate", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-    "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5",
+    "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5", "--enforce-eager", "--cuda-graph-sizes", "2", "1",
 ]
 EXPECTED_KWARGS = dict(
     model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
@@ -33,7 +33,7 @@ EXPECTED_KWARGS = dict(
     gpu_memory_utilization=CacheConfig().gpu_memory_utilization, block_size=32,
     page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
     lookahead_tokens=32, preallocate=True, enable_prefix_caching=False, enable_chunked_prefill=False,
-    kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5,
+    kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5, enforce_eager=True, cuda_graph_sizes=[2, 1],
 )
 
 

@@ -31,7 +31,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, tokens_per_split,
+    qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     kc_s0, kc_s1, kc_sh, vc_s0, vc_s1, vc_sh, kc_off, vc_off,
     stride_table,
@@ -44,6 +44,10 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # each sequence cuts its own context into the grid's splits (tiles of BLOCK_N), so a grid sized
+    # for the longest possible context (a captured CUDA graph) still spreads a short one; a padding
+    # row (seq_len 0) reads nothing
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -93,7 +97,7 @@ def _decode_split_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=mask_g)
     else:
-        o = acc / l_i[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]       # padding row: 0
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
@@ -110,6 +114,7 @@ def _decode_reduce_kernel(
     lse_row = part_lse_ptr + seq * stride_ls + head * stride_lh
     offs_all = tl.arange(0, SPLITS_PAD)
     m = tl.max(tl.load(lse_row + offs_all, mask=offs_all < num_splits, other=float("-inf")), 0)
+    m = tl.where(m == float("-inf"), 0.0, m)                # padding row (seq_len 0): every split empty
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -123,7 +128,8 @@ def _decode_reduce_kernel(
                      mask=mask_k[:, None] & mask_d[None, :], other=0.0)
         acc += tl.sum(po * w[:, None], 0)
         denom += w
-    o = acc / tl.sum(denom, 0)  # split 0 is never empty, so denom >= 1
+    total = tl.sum(denom, 0)  # >= 1 unless the row is padding (seq_len 0: output 0)
+    o = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=mask_d)
 
@@ -152,6 +158,17 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(by_fill, by_length, 256))
 
 
+def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                    block_n: int, waves: float = 2.0) -> int:
+    """The split-K grid of a decode launch: :func:`choose_num_splits`, then trimmed to the number of
+    ``block_n``-token tiles that ``max_seq_len`` fills when cut evenly (no split of the longest
+    sequence is empty)."""
+    num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device, block_n, waves=waves)
+    tokens_per_split = -(-max_seq_len // num_splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    return -(-max_seq_len // tokens_per_split)
+
+
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      seq_lens: torch.Tensor, *, max_seq_len: int, scale: float,
                      block_tables: torch.Tensor | None = None,
@@ -159,7 +176,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                      key_anchor: torch.Tensor | None = None, value_anchor: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, workspace: dict | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (paged or contiguous layout).
 
     Exactly one of ``block_tables`` (paged) and ``slot_indices`` (contiguous vmem slots) is given.
@@ -170,15 +187,21 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         key_cache, value_cache: paged ``[num_blocks, block_size, num_kv_heads, head_dim]`` or vmem
             ``[max_num_seqs, max_model_len, num_kv_heads, head_dim]`` views, any strides with
             ``stride(-1) == 1``, same dtype as ``q``.
-        seq_lens: ``int32 [num_seqs]``: context length of each sequence including the new token, >= 1.
-        max_seq_len: host int, ``max(seq_lens)`` (sizes the split-K grid without a device sync).
+        seq_lens: ``int32 [num_seqs]``: context length of each sequence including the new token;
+            0 marks a padding row (nothing read, output 0).
+        max_seq_len: host int, ``max(seq_lens)`` or an upper bound (sizes the split-K grid without a
+            device sync when ``num_splits`` is not given).
         scale: softmax scale (usually ``head_dim ** -0.5``).
         block_tables: paged: ``int32 [num_seqs, max_blocks_per_seq]`` physical block ids.
         slot_indices: contiguous: ``int32 [num_seqs]`` slot of each sequence.
         key_anchor, value_anchor: optional always-backed elements at or below the cache views, passed
             as the launch's pointers (:func:`vmkv.kernels._checks.launch_base`).
         out: optional ``[num_seqs, num_heads, head_dim]`` output in ``q.dtype`` (written fully).
-        num_splits: split-K chunks per sequence (default: :func:`choose_num_splits`).
+        num_splits: split-K grid size (default: :func:`plan_num_splits` for ``max_seq_len``); each
+            sequence divides its own context over it, so the launch depends on no device value
+            (CUDA-graph capturable).
+        workspace: a dict kept for one step: the split-K partials are allocated on the first call
+            and reused by later calls of the same shape (every layer of a step).
         block_n, num_warps, num_stages: tile size in tokens and launch configuration (default:
             :func:`default_launch`).
     Returns:
@@ -227,22 +250,25 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     num_warps = num_warps or d_warps
     num_stages = num_stages or d_stages
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device, block_n, waves=waves)
-    tokens_per_split = -(-max_seq_len // num_splits)
-    tokens_per_split = -(-tokens_per_split // block_n) * block_n
-    num_splits = -(-max_seq_len // tokens_per_split)
+        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device, block_n, waves)
     split = num_splits > 1
     if split:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        key = ("decode_partials", num_seqs, num_heads, num_splits, head_dim, q.device)
+        bufs = None if workspace is None else workspace.get(key)
+        if bufs is None:
+            bufs = (torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                                device=q.device),
+                    torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device))
+            if workspace is not None:
+                workspace[key] = bufs
+        part_out, part_lse = bufs
     else:
         part_out = part_lse = out  # unused
     kc_ptr, kc_off = _checks.launch_base("key_cache", key_cache, key_anchor)
     vc_ptr, vc_off = _checks.launch_base("value_cache", value_cache, value_anchor)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kc_ptr, vc_ptr, table, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), kc_off, vc_off,

@@ -81,15 +81,29 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
         ref.write_kv_ref(key_cache, value_cache, k, v, slot_mapping)
 
 
+def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> int:
+    """The decode launch plan of a step, decided once in ``prepare()``: the split-K grid size of
+    :func:`vmkv.kernels.decode_attention.decode_attention` when the Triton kernel will run on
+    ``device`` (``max_seq_len``: the longest context, or ``max_model_len`` for a CUDA graph that
+    must serve any context), else 0 (nothing to plan)."""
+    device = torch.device(device)
+    if not (device.type == "cuda" and _checks.triton_available() and dtype in _checks.KERNEL_DTYPES):
+        return 0
+    from vmkv.kernels.decode_attention import default_launch, plan_num_splits
+    block_n, _, _, waves = default_launch(head_dim, block_size)
+    return plan_num_splits(num_seqs, num_kv_heads, max(1, max_seq_len), device, block_n, waves)
+
+
 def _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                       max_seq_len, scale, block_tables=None, slot_indices=None, key_anchor=None,
-                      value_anchor=None):
+                      value_anchor=None, num_splits=0, workspace=None):
     anchors = {"key_anchor": key_anchor, "value_anchor": value_anchor}
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
         from vmkv.kernels.decode_attention import decode_attention
         return decode_attention(q, key_cache, value_cache, seq_lens, max_seq_len=max_seq_len,
                                 scale=scale, block_tables=block_tables, slot_indices=slot_indices,
-                                **anchors)
+                                num_splits=num_splits or None, workspace=workspace, **anchors)
     from vmkv.kernels.prefill_attention import prefill_attention
     return prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
                              max_query_len=max_query_len, scale=scale, block_tables=block_tables,
@@ -100,7 +114,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, *, seq_lens_host: list[int], query_lens_host: list[int],
                     max_query_len: int, max_seq_len: int, scale: float,
-                    impl: str = "auto") -> torch.Tensor:
+                    impl: str = "auto", num_splits: int = 0,
+                    workspace: dict | None = None) -> torch.Tensor:
     """Causal attention over a paged cache.
 
     A decode batch (``max_query_len == 1``) runs the split-K decode kernel, anything else the
@@ -114,6 +129,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         seq_lens_host, query_lens_host: host copies (used by the reference).
         max_query_len, max_seq_len: host ints; scale: softmax scale.
         impl: ``"auto" | "triton" | "torch" | "sdpa"`` (module docstring).
+        num_splits, workspace: the step's decode plan (:func:`plan_decode`; 0: chosen per call) and
+            its per-step scratch dict (Triton decode only).
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
     Raises:
@@ -123,7 +140,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                    sdpa_fits=_sdpa_fits(q, key_cache))
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
-                                 max_seq_len, scale, block_tables=block_tables)
+                                 max_seq_len, scale, block_tables=block_tables, num_splits=num_splits,
+                                 workspace=workspace)
     if chosen == "sdpa":
         from vmkv.kernels.sdpa import sdpa_paged_attention
         return sdpa_paged_attention(q, key_cache, value_cache, block_tables, seq_lens_host,
@@ -138,7 +156,8 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                          query_lens_host: list[int], max_query_len: int, max_seq_len: int,
                          scale: float, slot_indices_host: list[int] | None = None,
                          impl: str = "auto", key_anchor: torch.Tensor | None = None,
-                         value_anchor: torch.Tensor | None = None) -> torch.Tensor:
+                         value_anchor: torch.Tensor | None = None, num_splits: int = 0,
+                         workspace: dict | None = None) -> torch.Tensor:
     """Causal attention over virtually contiguous slots.
 
     Args:
@@ -152,6 +171,7 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         key_anchor, value_anchor: optional always-backed elements at or below the views, passed to the
             Triton launches instead of the views' first elements (:func:`_checks.launch_base`); the
             torch and sdpa paths index the views directly (only backed slot rows).
+        num_splits, workspace: as :func:`paged_attention`.
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
     Raises:
@@ -162,7 +182,7 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, slot_indices=slot_indices, key_anchor=key_anchor,
-                                 value_anchor=value_anchor)
+                                 value_anchor=value_anchor, num_splits=num_splits, workspace=workspace)
     slots = slot_indices_host if slot_indices_host is not None else slot_indices
     if chosen == "sdpa":
         from vmkv.kernels.sdpa import sdpa_slot_attention

@@ -181,20 +181,31 @@ class PagedKVCache(KVCacheCore):
         v = self.value_cache(layer)[idx].reshape(shape)[:s.seq_len]
         return k, v  # advanced indexing already made copies
 
-    def _build_metadata(self, batch: Sequence[StepSeq], states: list[SeqState]) -> AttentionMetadata:
-        """``block_tables int32 [num_seqs, max_blocks]`` (one fancy index of the host block-table
-        rows, padded with 0; pinned on CUDA so the copy is asynchronous) and the slot mapping
-        ``block_table[p // block_size] * block_size + p % block_size`` (one numpy expression)."""
+    def _build_metadata(self, batch: Sequence[StepSeq], states: list[SeqState], pad_to: int | None,
+                        out: torch.Tensor | None) -> AttentionMetadata:
+        """``block_tables int32 [num_seqs, width]`` (one fancy index of the host block-table rows,
+        padded with 0; the full ``max_blocks_per_seq`` width for a padded graph step) and the slot
+        mapping ``block_table[p // block_size] * block_size + p % block_size`` (one numpy
+        expression)."""
         bs = self.block_size
-        width = max(len(s.units) for s in states)
+        width = self.max_blocks_per_seq if pad_to is not None else max(len(s.units) for s in states)
         bt = self.blocks.tables.gather((s.row for s in states), len(states), width)
-        seq_index, positions = step_token_positions(batch)
+        seq_index, positions = step_token_positions(batch) if batch else (np.zeros(0, np.int64),) * 2
         slots = bt[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        bt_t = torch.from_numpy(bt)
-        if self.spec.torch_device.type == "cuda":
-            bt_t = bt_t.pin_memory()
-        return build_metadata(batch, device=self.spec.torch_device, block_tables=bt_t,
-                              slot_mapping=slots)
+        return build_metadata(batch, device=self.spec.torch_device, block_tables=bt, slot_mapping=slots,
+                              pad_to=pad_to, out=out, staging=self._staging,
+                              plan=lambda rows, longest: ops.plan_decode(
+                                  rows, self.spec.num_kv_heads,
+                                  self.max_model_len if pad_to is not None else longest,
+                                  self.spec.torch_device, self.spec.dtype, self.spec.head_dim, bs))
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return ops.plan_decode(1, self.spec.num_kv_heads, 1, self.spec.torch_device, self.spec.dtype,
+                               self.spec.head_dim, self.block_size) > 0 and not self.block_size & (self.block_size - 1)
+
+    def _graph_table_width(self) -> int:
+        return self.max_blocks_per_seq
 
     def _scatter(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         ops.write_kv(self.key_cache(layer), self.value_cache(layer), k, v, meta.slot_mapping)
@@ -204,7 +215,8 @@ class PagedKVCache(KVCacheCore):
             q, self.key_cache(layer), self.value_cache(layer), meta.block_tables,
             meta.query_start_loc, meta.seq_lens, seq_lens_host=meta.seq_lens_host,
             query_lens_host=meta.query_lens_host, max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len, scale=scale)
+            max_seq_len=meta.max_seq_len, scale=scale, num_splits=meta.num_splits,
+            workspace=meta.workspace)
 
     # ------------------------------------------------------------------ introspection hooks
     def _memory_usage(self) -> dict:

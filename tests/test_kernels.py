@@ -215,6 +215,35 @@ def test_decode_many_splits_merge_in_chunks():
     _assert_matches(out, cache.reference(q, [1] * len(lens), 0.25), torch.float16)
 
 
+@pytest.mark.parametrize("layout", ["paged16", "megacache"])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_padding_rows_and_a_grid_sized_for_any_context(layout, num_splits):
+    """A captured CUDA graph's launch: the grid is sized for the longest possible context (8 splits
+    over sequences of 1..40 tokens: each sequence cuts its own context), padding rows (seq_len 0)
+    read nothing and come out 0, and a workspace dict is reused by a second call."""
+    gen = _gen(26 + num_splits)
+    lens = [40, 1, 17]
+    cache = Cache(layout, lens, 2, 32, torch.bfloat16, gen)
+    padded = lens + [0, 0]
+    if cache.paged:
+        kwargs = {"block_tables": torch.cat([cache.block_tables,
+                                             torch.zeros(2, cache.block_tables.shape[1], dtype=torch.int32,
+                                                         device=DEVICE)])}
+    else:
+        kwargs = {"slot_indices": torch.cat([cache.slot_indices,
+                                             torch.zeros(2, dtype=torch.int32, device=DEVICE)])}
+    q = _randn(len(padded), 4, 32, dtype=torch.bfloat16, gen=gen)
+    sl = torch.tensor(padded, dtype=torch.int32, device=DEVICE)
+    workspace: dict = {}
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache.key, cache.value, sl, max_seq_len=40, scale=0.2, out=out,
+                         num_splits=num_splits, block_n=16, workspace=workspace, **kwargs)
+        _assert_matches(out[:3], cache.reference(q[:3], [1] * 3, 0.2), torch.bfloat16)
+        assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    assert len(workspace) == (1 if num_splits > 1 else 0)
+
+
 def test_decode_rejects_bad_inputs():
     gen = _gen(3)
     cache = Cache("paged4", [5, 7], 2, 16, torch.float16, gen)

@@ -102,3 +102,53 @@ def test_errors():
         build_metadata([StepSeq(1, 0, 1), StepSeq(2, 3, 0)], device=CPU, slot_index=slot_of)
     with pytest.raises(ValueError, match="num_computed_tokens >= 0"):
         step_token_positions([StepSeq(1, -1, 1)])
+
+
+def test_padded_decode_step_lands_in_the_graph_buffer():
+    """``pad_to``: real rows first, padding rows read and write nothing (seq_len 0, slot -1), every
+    field is a view of ``out`` at the offsets of :func:`step_layout`, so a step laid out for 8 rows
+    always lands at the same addresses."""
+    from vmkv.kvcache.metadata import step_layout
+    batch = [StepSeq(5, 9, 1), StepSeq(6, 3, 1), StepSeq(7, 0, 1)]
+    layout, nbytes = step_layout(8, 8, 4)
+    out = torch.full((nbytes + 16,), 0xAB, dtype=torch.uint8)
+    bt = np.arange(12, dtype=np.int32).reshape(3, 4)
+    seq_index, positions = step_token_positions(batch)
+    slots = bt[seq_index, positions // 4].astype(np.int64) * 4 + positions % 4
+    calls = []
+    meta = build_metadata(batch, device=CPU, block_tables=bt, slot_mapping=slots, pad_to=8, out=out,
+                          plan=lambda rows, longest: calls.append((rows, longest)) or 5)
+    assert calls == [(8, 10)] and meta.num_splits == 5 and meta.num_padded_seqs == 8
+    assert meta.seq_ids == [5, 6, 7] and meta.num_seqs == 3 and meta.num_tokens == 8
+    assert meta.seq_lens.tolist() == [10, 4, 1, 0, 0, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == slots.tolist() + [-1] * 5
+    assert meta.positions.tolist() == [9, 3, 0, 0, 0, 0, 0, 0]
+    assert meta.query_start_loc.tolist() == list(range(9))
+    assert meta.last_token_indices.tolist() == list(range(8))
+    assert meta.block_tables.tolist() == bt.tolist() + [[0] * 4] * 5
+    assert meta.seq_lens_host == [10, 4, 1] and meta.query_lens_host == [1, 1, 1]
+    base = out.data_ptr()
+    for name, field in (("positions", meta.positions), ("slot_mapping", meta.slot_mapping),
+                        ("seq_lens", meta.seq_lens), ("table", meta.block_tables)):
+        assert field.data_ptr() == base + layout[name][0], name
+    # every row padding (what a graph is captured with): the same addresses
+    empty = build_metadata([], device=CPU, block_tables=np.zeros((0, 4), np.int32),
+                           slot_mapping=np.zeros(0, np.int64), pad_to=8, out=out)
+    assert empty.seq_ids == [] and empty.seq_lens.tolist() == [0] * 8
+    assert empty.slot_mapping.tolist() == [-1] * 8 and empty.block_tables.data_ptr() == meta.block_tables.data_ptr()
+
+
+def test_pad_to_rejects_prefill_and_small_pads():
+    with pytest.raises(ValueError, match="pad_to"):
+        build_metadata([StepSeq(1, 0, 2)], device=CPU, slot_index=slot_of, pad_to=4)
+    with pytest.raises(ValueError, match="pad_to"):
+        build_metadata([StepSeq(1, 0, 1), StepSeq(2, 0, 1)], device=CPU, slot_index=slot_of, pad_to=1)
+    with pytest.raises(ValueError, match="empty|at least one"):
+        build_metadata([], device=CPU, slot_index=slot_of)
+
+
+def test_steps_do_not_share_buffers_on_cpu():
+    """A metadata object stays valid after the next prepare (fresh buffers off CUDA)."""
+    a = build_metadata([StepSeq(1, 4, 1)], device=CPU, slot_index=slot_of)
+    b = build_metadata([StepSeq(2, 8, 1)], device=CPU, slot_index=slot_of)
+    assert a.seq_lens.tolist() == [5] and b.seq_lens.tolist() == [9]

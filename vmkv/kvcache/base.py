@@ -184,12 +184,34 @@ class KVCache(abc.ABC):
 
     # ------------------------------------------------------------------ per-step path
     @abc.abstractmethod
-    def prepare(self, batch: Sequence[StepSeq]) -> AttentionMetadata:
-        """Build the step's :class:`AttentionMetadata` once on the host (then copy to device).
+    def prepare(self, batch: Sequence[StepSeq], *, pad_to: int | None = None,
+                out: torch.Tensor | None = None) -> AttentionMetadata:
+        """Build the step's :class:`AttentionMetadata` once on the host (one packed buffer, one
+        copy to the device) together with its launch plan.
 
         Requires ``num_computed_tokens + num_new_tokens <= seq_len`` for every entry.  Marks the
         positions written this step so full units can be registered in the prefix cache.
+
+        Args:
+            pad_to: a decode step replayed by a CUDA graph: pad to this many one-token rows.
+            out: the graph's static uint8 buffer (:meth:`graph_buffer_bytes`) the metadata is
+                copied into, at the addresses the graph was captured with.
         """
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Can decode steps be captured in CUDA graphs (CUDA device, Triton attention)?"""
+        return False
+
+    def graph_buffer_bytes(self, num_seqs: int) -> int:
+        """Bytes of the static metadata buffer of a captured decode step of ``num_seqs`` rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def capture_metadata(self, num_seqs: int, out: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a decode step of ``num_seqs`` padding rows (no sequence; nothing is read or
+        written), laid out in ``out`` exactly as ``prepare(batch, pad_to=num_seqs, out=out)`` will
+        lay out a real step: what a CUDA graph is captured with."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abc.abstractmethod
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -17,7 +17,8 @@ argument checks of the per-layer calls.  A backend fills in these hooks:
 ``_apply_cow(room)``              give each shared unit a private copy; returns copy pairs
 ``copy_units(pairs)``             the step's copies, in one batch (tensor work)
 ``_register_unit(s, key, parent, i)`` / ``_forget_unit(s, i)``   prefix entries of unit ``i``
-``_units_overlapping(start, end)``, ``_can_back(n)``, ``_build_metadata(batch, states)``,
+``_units_overlapping(start, end)``, ``_can_back(n)``, ``_build_metadata(batch, states, pad_to,
+out)``, ``_graph_table_width()``, ``supports_cuda_graphs``,
 ``_write_rows``, ``_gather``, ``_scatter``, ``_attend``, ``_memory_usage()``, ``_check_units()``,
 ``_close()``
 ================================  ===========================================================
@@ -32,6 +33,7 @@ import torch
 
 from vmkv.kvcache.base import KVCache
 from vmkv.kvcache.errors import KVCacheError
+from vmkv.kvcache.metadata import StepStaging, step_layout
 from vmkv.kvcache.prefix import PrefixChain, PrefixIndex
 from vmkv.kvcache.records import AttentionMetadata, CacheUsage, StepSeq
 from vmkv.kvcache.room import Room
@@ -61,6 +63,7 @@ class KVCacheCore(KVCache):
         self.enable_prefix_caching = False
         self.num_cow_copies = 0
         self._alloc_ns = 0
+        self._staging = StepStaging(spec.torch_device)
         self._closed = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,15 +160,17 @@ class KVCacheCore(KVCache):
         return self._gather(s, layer)
 
     # ------------------------------------------------------------------ per-step path
-    def prepare(self, batch: Sequence[StepSeq]) -> AttentionMetadata:
+    def prepare(self, batch: Sequence[StepSeq], *, pad_to: int | None = None,
+                out: torch.Tensor | None = None) -> AttentionMetadata:
         """Validate the batch, copy every shared unit the step writes into (one plan, one check,
-        one batch of copies), build the backend's metadata, then advance the written marks and
-        register newly full prompt units in the prefix cache.
+        one batch of copies), build the backend's metadata (``pad_to`` / ``out``: see
+        :meth:`KVCache.prepare`), then advance the written marks and register newly full prompt
+        units in the prefix cache.
 
         Raises:
             UnknownSequenceError; ValueError (empty batch, repeated seq_id, no new tokens, or
-            computed + new > seq_len); KVCacheFullError (copy-on-write short of units; nothing
-            changed).
+            computed + new > seq_len, ``pad_to`` below the batch or with a prefill entry);
+            KVCacheFullError (copy-on-write short of units; nothing changed).
         """
         self._check_open()
         states = self.seqs.check_batch(batch)
@@ -175,13 +180,24 @@ class KVCacheCore(KVCache):
                    for e, s in zip(batch, states)]
         self._make_writable(targets, None, sum(e.num_new_tokens for e in batch))
         self._alloc_ns += time.perf_counter_ns() - t0
-        meta = self._build_metadata(batch, states)
+        if pad_to is not None and (pad_to < len(batch) or any(e.num_new_tokens != 1 for e in batch)):
+            raise ValueError(f"pad_to={pad_to} needs a decode batch of at most {pad_to} sequences")
+        meta = self._build_metadata(batch, states, pad_to, out)
         for e, s in zip(batch, states):
             if s.prefix is None or s.prefix.done:
                 continue        # marks only feed prefix registration; nothing left to register
             if s.mark(e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens):
                 self._register(s)
         return meta
+
+    def graph_buffer_bytes(self, num_seqs: int) -> int:
+        return step_layout(num_seqs, num_seqs, self._graph_table_width())[1]
+
+    def capture_metadata(self, num_seqs: int, out: torch.Tensor) -> AttentionMetadata:
+        self._check_open()
+        if not self.supports_cuda_graphs:
+            raise NotImplementedError(f"this {self.backend} cache does not support CUDA graphs")
+        return self._build_metadata([], [], int(num_seqs), out)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         self._check_step(layer, meta)

@@ -109,6 +109,13 @@ class AttentionMetadata:
         slot_indices: vmem: ``int32 [num_seqs]``, each sequence's slot.
         last_token_indices: ``int64 [num_seqs]``, index in the step's tokens of each sequence's
             last new token (where logits are read).
+        slot_indices_host: vmem: the slots as host ints (the sdpa and reference paths).
+    Launch plan (decided once per step, not per layer):
+        num_splits: split-K chunks of the decode kernel (0: chosen per call from ``max_seq_len``).
+        workspace: scratch tensors a kernel allocates on its first layer and reuses in the others.
+        num_padded_seqs: rows of the device tensors; above ``num_seqs`` when ``prepare(pad_to=)``
+            padded a decode step to a captured CUDA graph's batch size (padding rows: seq_len 0,
+            slot_mapping -1).
     """
 
     seq_ids: list
@@ -126,6 +133,13 @@ class AttentionMetadata:
     # host copies for reference paths (avoid device syncs)
     seq_lens_host: list = field(default_factory=list)
     query_lens_host: list = field(default_factory=list)
+    slot_indices_host: list | None = None
+    # the step's launch plan, decided once in prepare(): decode split-K chunks (0: the kernel
+    # chooses) and per-step workspaces the kernels fill on first use and reuse in every layer
+    num_splits: int = 0
+    workspace: dict = field(default_factory=dict)
+    # rows of the tensor fields: num_seqs, or more when a decode step is padded to a graph's size
+    num_padded_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:

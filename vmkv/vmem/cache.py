@@ -240,29 +240,43 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         return (self._k[layer][i, :length].clone(memory_format=torch.contiguous_format),
                 self._v[layer][i, :length].clone(memory_format=torch.contiguous_format))
 
-    def _build_metadata(self, batch: Sequence[StepSeq], states: list[SeqState]) -> AttentionMetadata:
+    def _build_metadata(self, batch: Sequence[StepSeq], states: list[SeqState], pad_to: int | None,
+                        out: torch.Tensor | None) -> AttentionMetadata:
         """``slot_indices int32 [num_seqs]`` and the flat write index ``slot * max_model_len + pos``
         into the ``[max_num_seqs, max_model_len, H, D]`` views."""
         slot_list = [s.units.index for s in states]
-        seq_index, positions = step_token_positions(batch)
+        seq_index, positions = step_token_positions(batch) if batch else (np.zeros(0, np.int64),) * 2
         slot_mapping = np.asarray(slot_list, dtype=np.int64)[seq_index] * self.max_model_len + positions
         return build_metadata(batch, device=self.spec.torch_device, slot_mapping=slot_mapping,
-                              slot_indices=torch.tensor(slot_list, dtype=torch.int32))
+                              slot_indices=slot_list, pad_to=pad_to, out=out, staging=self._staging,
+                              plan=lambda rows, longest: ops.plan_decode(
+                                  rows, self.spec.num_kv_heads,
+                                  self.max_model_len if pad_to is not None else longest,
+                                  self.spec.torch_device, self.spec.dtype, self.spec.head_dim))
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Slots sit at fixed virtual addresses, so a graph stays valid while pages are mapped under
+        it (vAttention, section 6); needs the Triton attention path on CUDA."""
+        return self.attention_impl in ("auto", "triton") and ops.plan_decode(
+            1, self.spec.num_kv_heads, 1, self.spec.torch_device, self.spec.dtype, self.spec.head_dim) > 0
+
+    def _graph_table_width(self) -> int:
+        return 0
 
     def _scatter(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         ops.write_kv(self._k[layer], self._v[layer], k, v, meta.slot_mapping,
                      key_anchor=self._k_anchor[layer], value_anchor=self._v_anchor[layer])
 
     def _attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # host copy of the slots (no device sync for the reference and sdpa paths)
-        slots_host = [self.seqs.get(seq_id).units.index for seq_id in meta.seq_ids]
         extra = {} if self.attention_impl == "auto" else {"impl": self.attention_impl}
         return ops.contiguous_attention(
             q, self._k[layer], self._v[layer], meta.slot_indices, meta.query_start_loc, meta.seq_lens,
             seq_lens_host=meta.seq_lens_host, query_lens_host=meta.query_lens_host,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
-            slot_indices_host=slots_host, key_anchor=self._k_anchor[layer],
-            value_anchor=self._v_anchor[layer], **extra)
+            slot_indices_host=meta.slot_indices_host, key_anchor=self._k_anchor[layer],
+            value_anchor=self._v_anchor[layer], num_splits=meta.num_splits, workspace=meta.workspace,
+            **extra)
 
     def _close(self) -> None:
         self._k = self._v = self._k_anchor = self._v_anchor = None

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.cuda_graphs import build_cuda_graphs
 from vmkv.engine.errors import check_device, is_fatal_error
 from vmkv.engine.input_processor import InputProcessor, check_cache_salt
 from vmkv.engine.outputs import EngineStats, RequestOutput
@@ -93,8 +94,10 @@ class LLMEngine:
         self.allocator = TimedAllocator(self.kv_cache)
         self.scheduler = Scheduler(config.scheduler, self.allocator, r.max_model_len, r.enable_prefix_caching)
         self.sampler = Sampler(config.seed, self.device)
+        graphs = build_cuda_graphs(self.model, self.kv_cache, self.device, enforce_eager=config.enforce_eager,
+                                   sizes=config.cuda_graph_sizes, max_num_seqs=r.max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
-                                  prefetch_tokens=r.prefetch_tokens)
+                                  prefetch_tokens=r.prefetch_tokens, cuda_graphs=graphs)
         self.requests = RequestTable(self.scheduler)
         self._next_seq_id = 0
         self._num_steps = 0
@@ -337,8 +340,7 @@ class LLMEngine:
             num_cached_tokens_total=self.scheduler.num_cached_tokens_total,
             num_finished_total=self.requests.num_finished_total,
             num_failed_total=self.requests.num_failed_total,
-            prefetch_time_s_total=self.runner.prefetch_time_s_total,
-        )
+            prefetch_time_s_total=self.runner.prefetch_time_s_total, **self.runner.graph_stats())
 
     def close(self) -> None:
         """Release the KV cache's memory (the engine is unusable afterwards)."""

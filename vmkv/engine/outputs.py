@@ -194,6 +194,9 @@ class EngineStats:
         num_cached_tokens_total: prompt tokens skipped thanks to the prefix cache.
         num_finished_total: requests finished (any reason).
         num_failed_total: requests failed by an exception (``finish_reason="error"``).
+        num_cuda_graph_steps_total: steps replayed from a captured CUDA graph (decode only).
+        cuda_graph_capture_s, cuda_graph_memory_bytes: start-up capture time and the device memory
+            the graphs took (0 when eager: CPU, ``enforce_eager``, or a cache that cannot be captured).
     """
 
     num_running: int
@@ -214,3 +217,6 @@ class EngineStats:
     num_finished_total: int = 0
     prefetch_time_s_total: float = 0.0
     num_failed_total: int = 0
+    num_cuda_graph_steps_total: int = 0
+    cuda_graph_capture_s: float = 0.0
+    cuda_graph_memory_bytes: int = 0

@@ -61,16 +61,19 @@ class ModelRunner:
         device: the model's device.
         prefetch_tokens: look-ahead in positions passed to ``kv_cache.prefetch`` every step for the
             sequences that sample (0: no prefetch).
+        cuda_graphs: a captured :class:`~vmkv.engine.cuda_graphs.CUDAGraphRunner`: decode steps it
+            fits are replayed (prepare into its static buffer, one replay); ``None``: all eager.
 
     Attributes:
         forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
         prefetch_time_s_total: seconds of that in ``kv_cache.prefetch``.
         release_time_s_total: seconds in ``kv_cache.release_idle`` (elastic shrink), called every
             step after the forward is enqueued (next to prefetch) and by :meth:`idle`.
+        num_graph_steps: steps replayed from a CUDA graph.
     """
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 prefetch_tokens: int = 0) -> None:
+                 prefetch_tokens: int = 0, cuda_graphs=None) -> None:
         if isinstance(prefetch_tokens, bool) or not isinstance(prefetch_tokens, int) or prefetch_tokens < 0:
             raise ValueError(f"prefetch_tokens must be an int >= 0, got {prefetch_tokens!r}")
         self.model = model
@@ -81,6 +84,8 @@ class ModelRunner:
         self.forward_time_s_total = 0.0
         self.prefetch_time_s_total = 0.0
         self.release_time_s_total = 0.0
+        self.cuda_graphs = cuda_graphs
+        self.num_graph_steps = 0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -95,11 +100,16 @@ class ModelRunner:
             batch.append(StepSeq(s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens))
             ids.extend(s.seq.token_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
         t0 = time.perf_counter()
-        meta = self.kv_cache.prepare(batch)
-        input_ids = torch.tensor(ids, dtype=torch.int64)
-        if self.device.type != "cpu":
-            input_ids = input_ids.to(self.device, non_blocking=True)
-        logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
+        size = None if self.cuda_graphs is None else self.cuda_graphs.size_for(batch)
+        if size is not None:
+            logits = self.cuda_graphs.run(batch, ids, size)
+            self.num_graph_steps += 1
+        else:
+            meta = self.kv_cache.prepare(batch)
+            input_ids = torch.tensor(ids, dtype=torch.int64)
+            if self.device.type != "cpu":
+                input_ids = input_ids.to(self.device, non_blocking=True)
+            logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
         row_index: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[Sequence] = []
@@ -136,6 +146,13 @@ class ModelRunner:
                     result.sampled.setdefault(seq.seq_id, []).append(tok)
         self.forward_time_s_total += time.perf_counter() - t0
         return result
+
+    def graph_stats(self) -> dict:
+        """``EngineStats`` fields of the CUDA graphs: replayed steps, capture time and memory."""
+        g = self.cuda_graphs
+        return dict(num_cuda_graph_steps_total=self.num_graph_steps,
+                    cuda_graph_capture_s=0.0 if g is None else g.capture_time_s,
+                    cuda_graph_memory_bytes=0 if g is None else g.graph_memory_bytes)
 
     def idle(self) -> StepResult:
         """A step with nothing scheduled: idle KV memory may go back to the device

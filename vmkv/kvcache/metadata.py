@@ -106,7 +106,7 @@ class StepStaging:
         buffer of at least ``nbytes``) or into a fresh buffer; one copy, asynchronous on CUDA."""
         src = torch.from_numpy(host[:nbytes]) if handle < 0 else self._bufs[handle][:nbytes]
         if out is not None:
-            if out.dtype != torch.uint8 or out.numel() < nbytes or out.device != self.device:
+            if out.dtype != torch.uint8 or out.numel() < nbytes or out.device.type != self.device.type:
                 raise ValueError(f"out must be a uint8 buffer of >= {nbytes} bytes on {self.device}, "
                                  f"got {out.dtype} [{out.numel()}] on {out.device}")
             dst = out[:nbytes]

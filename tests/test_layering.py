@@ -7,7 +7,8 @@ Layers (installed names; ``paged/``, ``kernels/`` and ``compare/`` install as ``
   backends as strings and imports them lazily.
 - ``vmkv.paged`` and ``vmkv.vmem`` (the backends) import ``vmkv.kvcache`` and ``vmkv.kernels``, never
   each other, never the model, engine or server.
-- ``vmkv.model`` imports only ``vmkv.kvcache.base`` (the interface types).
+- ``vmkv.model`` imports ``vmkv.kvcache.base`` (the interface types) and, of ``vmkv.kernels``, only the
+  fused small ops (``fused_ops`` and their torch references); attention runs through the KV cache.
 - ``vmkv.engine`` imports the interface (``vmkv.kvcache``) and the model, never a backend or a kernel.
 - ``vmkv.server`` goes through ``vmkv.engine``.
 - ``vmkv.compare`` goes through ``vmkv.engine``, and may use ``vmkv.kvcache`` and ``vmkv.kernels``
@@ -37,7 +38,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "vmkv.kvcache": (),
     "vmkv.paged": ("vmkv.kvcache", "vmkv.kernels"),
     "vmkv.vmem": ("vmkv.kvcache", "vmkv.kernels"),
-    "vmkv.model": ("vmkv.kvcache.base",),
+    "vmkv.model": ("vmkv.kvcache.base", "vmkv.kernels.fused_ops", "vmkv.kernels.fused_reference"),
     "vmkv.engine": ("vmkv.kvcache", "vmkv.model"),
     "vmkv.server": ("vmkv.engine",),
     "vmkv.compare": ("vmkv.engine", "vmkv.kvcache", "vmkv.kernels", "vmkv.model.config"),
@@ -161,6 +162,7 @@ def test_every_module_has_a_layer():
     ("vmkv/engine", "from vmkv.paged.cache import PagedKVCache\n", "vmkv.paged.cache"),
     ("vmkv/engine", "def f():\n    import vmkv.vmem.cache\n", "vmkv.vmem.cache"),
     ("vmkv/model", "from vmkv.engine import LLMEngine\n", "vmkv.engine"),
+    ("vmkv/model", "from vmkv.kernels.ops import paged_attention\n", "vmkv.kernels.ops"),
     ("vmkv/server", "from vmkv.kvcache.registry import create_kv_cache\n", "vmkv.kvcache.registry"),
     ("kernels", "import requests\n", "requests"),
     ("kernels", "from vmkv.kvcache import base\n", "vmkv.kvcache.base"),

@@ -9,6 +9,13 @@ Models"): pre-norm decoder layers with RMSNorm (Zhang & Sennrich 2019), rotary p
 
 Per step, the engine calls ``kv_cache.prepare`` once; every layer then calls
 ``kv_cache.write_kv(layer, k, v, meta)`` and ``kv_cache.attention(layer, q, meta)``.
+
+The small ops between the matmuls run fused (:mod:`vmkv.kernels.fused_ops`: Triton on CUDA, the torch
+references elsewhere, so the CPU path computes what the eager code did): the residual stream is carried
+through the layers the vLLM way (``hidden, residual = norm(x, residual)``: one kernel adds the sublayer
+output into the residual in place and normalises it), RoPE rotates q and k in place inside the qkv
+output from ``positions`` and ``inv_freq`` (no per-step cos/sin tensors), and SwiGLU's ``silu(gate) * up``
+is one kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vmkv.kernels import fused_ops
+# rms_norm(x, weight, eps): eager RMSNorm as Hugging Face Llama computes it (the fused kernel's reference)
+from vmkv.kernels.fused_reference import rms_norm_ref as rms_norm
 from vmkv.kvcache.base import AttentionMetadata, KVCache
 from vmkv.model.config import ModelConfig
 
@@ -32,20 +42,6 @@ __all__ = ["LlamaForCausalLM", "rope_inv_freq", "apply_rope", "rms_norm"]
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32, as Hugging Face Llama does.
-
-    Args:
-        x: ``[num_tokens, hidden]`` in the model dtype.
-        weight: ``[hidden]``.
-    Returns:
-        ``[num_tokens, hidden]`` in ``x.dtype``: ``weight * (x / rms(x))``.
-    """
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -74,7 +70,10 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x: [num_tokens, heads, head_dim]`` by ``cos, sin: [num_tokens, head_dim]``
-    (rotate-half form: dims ``i`` and ``i + head_dim/2`` form a pair)."""
+    (rotate-half form: dims ``i`` and ``i + head_dim/2`` form a pair), out of place.
+
+    The eager form with precomputed cos/sin (Hugging Face's ``apply_rotary_pos_emb``); the model
+    runs :func:`vmkv.kernels.fused_ops.rotary_embedding` instead, tests compare the two."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -83,9 +82,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     """GQA self-attention of one layer; K/V stored in and read from the KV cache."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype, ops_impl: str) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.ops_impl = ops_impl
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -99,15 +99,20 @@ class LlamaAttention(nn.Module):
         self.o_proj.weight = _param(h, self.q_size, device=device, dtype=dtype)
         self.o_proj.bias = _param(h, device=device, dtype=dtype) if config.o_proj_bias else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this step's K/V."""
+        """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this step's K/V.
+
+        ``positions: int64 [num_tokens]``, ``inv_freq: float32 [head_dim // 2]`` (RoPE).  q, k and v
+        stay views of the qkv output (``[num_tokens, heads, head_dim]``, token stride
+        ``q_size + 2 * kv_size``, ``stride(-1) == 1``); RoPE rotates q and k in place."""
         n = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        fused_ops.rotary_embedding(positions, q, k, inv_freq, impl=self.ops_impl)
         kv_cache.write_kv(self.layer_idx, k, v, meta)
         out = kv_cache.attention(self.layer_idx, q, meta, scale=self.scale)
         return F.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
@@ -116,10 +121,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, config: ModelConfig, *, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, *, device, dtype, ops_impl: str) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         self.intermediate_size = i
+        self.ops_impl = ops_impl
         self.gate_up_proj = nn.Module()
         self.gate_up_proj.weight = _param(2 * i, h, device=device, dtype=dtype)
         self.gate_up_proj.bias = _param(2 * i, device=device, dtype=dtype) if config.mlp_bias else None
@@ -128,25 +134,53 @@ class LlamaMLP(nn.Module):
         self.down_proj.bias = _param(h, device=device, dtype=dtype) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
+        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        act = fused_ops.silu_and_mul(gate_up, impl=self.ops_impl)
+        return F.linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype) -> None:
+    """Pre-norm layer that carries the residual stream beside the hidden states (vLLM's form): the
+    input norm adds the previous sublayer's output into the residual, the post-attention norm adds
+    the attention output, and the MLP output is left for the next layer (or the final norm) to add."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype, ops_impl: str) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
+        self.ops_impl = ops_impl
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = _param(config.hidden_size, device=device, dtype=dtype)
         self.post_attention_layernorm = nn.Module()
         self.post_attention_layernorm.weight = _param(config.hidden_size, device=device, dtype=dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, device=device, dtype=dtype)
-        self.mlp = LlamaMLP(config, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, device=device, dtype=dtype, ops_impl=ops_impl)
+        self.mlp = LlamaMLP(config, device=device, dtype=dtype, ops_impl=ops_impl)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin,
-                               kv_cache, meta)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                inv_freq: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer.
+
+        Args:
+            positions: ``int64 [num_tokens]``; inv_freq: ``float32 [head_dim // 2]``.
+            hidden: ``[num_tokens, hidden]``: the previous layer's MLP output (the embeddings for
+                the first layer, whose ``residual`` is ``None``).
+            residual: ``[num_tokens, hidden]``, the residual stream so far (without ``hidden``);
+                updated in place.
+        Returns:
+            ``(mlp_output, residual)``, both ``[num_tokens, hidden]``; the residual does not yet
+            include the MLP output.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = fused_ops.rms_norm(hidden, self.input_layernorm.weight, self.eps, impl=self.ops_impl)
+        else:
+            hidden = fused_ops.fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, self.eps,
+                                                  impl=self.ops_impl)
+        hidden = self.self_attn(positions, hidden, inv_freq, kv_cache, meta)
+        hidden = fused_ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
+                                              self.eps, impl=self.ops_impl)
+        return self.mlp(hidden), residual
 
 
 # Hugging Face name -> (our parameter, shard index in the fused tensor or None)
@@ -163,19 +197,27 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the model shape.
         device: where parameters live; ``dtype``: their dtype (bf16 on CUDA, float32 on CPU usual).
+        ops_impl: implementation of the fused small ops (:mod:`vmkv.kernels.fused_ops`): ``"auto"``
+            (Triton on CUDA, the torch references elsewhere), ``"triton"`` or ``"torch"`` (tests).
     Parameters are created uninitialized; fill them with :meth:`load_weights` or
     :meth:`init_random_`.
+    Raises:
+        ValueError: ``ops_impl`` is not one of ``fused_ops.IMPLS``.
     """
 
     def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, ops_impl: str = "auto") -> None:
         super().__init__()
+        if ops_impl not in fused_ops.IMPLS:
+            raise ValueError(f"ops_impl must be one of {fused_ops.IMPLS}, got {ops_impl!r}")
         self.config = config
+        self.ops_impl = ops_impl
         device = torch.device(device)
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, device=device, dtype=dtype)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, device=device, dtype=dtype, ops_impl=ops_impl)
+            for i in range(config.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(config.hidden_size, device=device, dtype=dtype)
         if config.tie_word_embeddings:
@@ -215,13 +257,12 @@ class LlamaForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, metadata has {meta.num_tokens}")
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        hidden, residual = F.embedding(input_ids, self.embed_tokens.weight), None
+        inv_freq = self.inv_freq
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
-        return rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
+            hidden, residual = layer(positions, hidden, residual, inv_freq, kv_cache, meta)
+        return fused_ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps,
+                                            impl=self.ops_impl)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""``vmkv compare {alloc,engine,kernels}``: head-to-head comparisons of the paged and vmem backends.
+"""``vmkv compare {alloc,engine,kernels,colocate,step}``: head-to-head comparisons of the paged and vmem backends.
 
 - ``alloc``: allocator simulation without a GPU (:mod:`vmkv.compare.alloc_cli`).
 - ``engine``: the engine on both backends, offline and online, each in a fresh process
@@ -6,6 +6,8 @@
 - ``kernels``: the kernel microbenchmarks (:mod:`vmkv.compare.kernel_bench`), arguments passed through.
 - ``colocate``: two ``vmkv serve`` processes sharing one GPU under alternating bursts
   (:mod:`vmkv.compare.colocate`).
+- ``step``: the decode step of the engine against its bandwidth floor, per backend
+  (:mod:`vmkv.compare.step_bench`).
 
 Each subcommand's module is imported only when that subcommand runs (STYLE.md rule 11).
 """
@@ -21,6 +23,7 @@ SUBCOMMANDS = {
     "engine": ("vmkv.compare.engine_bench", "run the engine on both backends (offline and Poisson online)"),
     "kernels": ("vmkv.compare.kernel_bench", "kernel microbenchmarks (paged vs contiguous attention)"),
     "colocate": ("vmkv.compare.colocate", "two servers on one GPU with alternating bursts (elastic KV memory)"),
+    "step": ("vmkv.compare.step_bench", "decode step time vs its bandwidth floor, B x L grid, every backend"),
 }
 
 

@@ -9,7 +9,10 @@ One run measures, on the same random K/V copied into every layout (BENCHMARKS.md
    torch SDPA on contiguous ``[B, H, L, D]`` tensors and on both slot views; and
    ``torch.nn.attention.flex_attention`` with a paged block mask (pages of ``--flex-page`` tokens);
 3. prefill attention (causal, one sequence of ``L`` tokens): our kernel on each layout vs SDPA's flash
-   backend on contiguous tensors and on slot views.
+   backend on contiguous tensors and on slot views;
+4. optional peers (:mod:`vmkv.compare.kernel_bench_peers`, ``--peers``): when ``flashinfer`` imports, its
+   paged decode and paged causal prefill on the same paged K/V and block table as our block-size-16
+   variant (skipped with one log line when it does not).
 
 Every variant is checked before it is timed: sequence 0 (decode) or the last 64 queries (prefill)
 against the float64 reference, and every element against SDPA.  Timing: ``triton.testing.do_bench``
@@ -80,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "4 x 32768) and 8K (prefill) first and use the best in the grid; default: the kernels' own defaults")
     a("--seed", type=int, default=0)
     a("--device", default="cuda", help="cuda (measurements) or cpu (functional smoke run, TRITON_INTERPRET=1)")
+    a("--peers", default="flashinfer", help="other libraries' kernels timed on the same paged K/V when they "
+      "import (comma-separated; 'none' to skip)")
+    a("--flashinfer-backend", default="auto", choices=("auto", "fa2", "fa3"),
+      help="FlashInfer backend of its tensor-core decode and its prefill (auto: FlashInfer's choice)")
 
 
 class Timer:
@@ -202,6 +209,7 @@ class Bench:
         self.copy_gbps = float("nan")
         self._flex = None
         self.only: set | None = None  # measure only these variants (tuning)
+        self.peers: list = []         # kernel_bench_peers.load_peers(...), set by run()
 
     def randn(self, *shape) -> torch.Tensor:
         g = torch.Generator(device=self.device).manual_seed(int(torch.randint(1 << 30, (1,), generator=self.gen)))
@@ -209,6 +217,10 @@ class Bench:
 
     def wants(self, *variants: str) -> bool:
         return self.only is None or any(v in self.only for v in variants)
+
+    def peer_names(self, kind: str, block_size: int) -> list[str]:
+        """Variant names the loaded peers add at ``block_size`` (``kind``: decode or prefill)."""
+        return [n for p in self.peers for n in p.variant_names(kind, block_size)]
 
     def release(self) -> None:
         """Return cached blocks between points (shapes change; avoids fragmentation at 2M tokens)."""
@@ -285,10 +297,13 @@ class Bench:
                         "config_source": "kernel default" if self.decode_cfg is None else "tuned in this run"}
 
         for bs in _ints(a.block_sizes):
-            if self.wants(f"triton_paged_bs{bs}"):
+            if self.wants(f"triton_paged_bs{bs}", *self.peer_names("decode", bs)):
                 kc, vc, table = paged_copy(k, v, bs, self.gen)
                 fn, ex = ours(kc, vc, "paged", block_tables=table)
                 m(f"triton_paged_bs{bs}", fn, check, nbytes, extra=ex)
+                for peer in (p for p in self.peers if self.wants(*p.variant_names("decode", bs))):
+                    for name, pfn, pex in peer.decode(q, kc, vc, table, ctx, self.scale):
+                        m(name, pfn, check, nbytes, extra=pex)
                 del kc, vc
         layers = max(1, min(a.megacache_layers, int(a.megacache_budget_gb * 2**30 // (2 * k.numel() * esize))))
         if self.wants("triton_contig_megacache", "sdpa_megacache_view"):
@@ -351,10 +366,13 @@ class Bench:
                 "config_source": "kernel default" if cfg is None else "tuned in this run"}
 
         for bs in _ints(a.block_sizes):
-            if self.wants(f"triton_paged_bs{bs}"):
+            if self.wants(f"triton_paged_bs{bs}", *self.peer_names("prefill", bs)):
                 kc, vc, table = paged_copy(k, v, bs, self.gen)
                 fn, ex = ours(kc, vc, "paged", block_tables=table)
                 m(f"triton_paged_bs{bs}", fn, check, nbytes, extra=ex)
+                for peer in (p for p in self.peers if self.wants(*p.variant_names("prefill", bs))):
+                    for name, pfn, pex in peer.prefill(q, kc, vc, table, ctx, self.scale):
+                        m(name, pfn, check, nbytes, extra=pex)
                 del kc, vc
         if self.wants("triton_contig_megacache", "sdpa_flash_megacache_view"):
             kc, vc, mega = megacache_copy(k, v, a.megacache_layers)
@@ -427,6 +445,14 @@ def run(args: argparse.Namespace) -> int:
                 return 2
     out_dir = Path(args.out)
     result: dict = {"args": vars(args), "decode": [], "prefill": []}
+    from vmkv.compare.kernel_bench_peers import load_peers
+    peer_names = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
+    try:
+        bench.peers = load_peers(bench.device, peer_names, flashinfer_backend=args.flashinfer_backend)
+    except ValueError as exc:
+        print(f"vmkv compare kernels: {exc}")
+        return 2
+    result["peers"] = {p.name: getattr(p, "version", None) for p in bench.peers}
     t_start = time.perf_counter()
     result["copy_bandwidth"] = copy_bandwidth(bench.device, bench.timer)
     bench.copy_gbps = result["copy_bandwidth"]["gbps"]

@@ -11,6 +11,25 @@ DECODE_TARGET = (64, 4096)        # batch, context
 PREFILL_TARGET = 8192             # context
 CONTIG = "triton_contig_megacache"
 PAGED = "triton_paged_bs16"
+PEER_PREFIX = "flashinfer"        # peer variants (vmkv.compare.kernel_bench_peers) compared with PAGED
+PEER_TARGET_BATCH = 256           # issue 11: ours vs FlashInfer paged decode at B=256, every context
+PEER_NOTE = ("ours/FI speed = FlashInfer ms / triton_paged_bs16 ms at the same point, on the same paged K/V "
+             "and block table (> 1: ours faster)")
+
+
+def peer_variants(rows: list[dict]) -> list[str]:
+    """The FlashInfer variants present in ``rows``, sorted."""
+    return sorted({r["variant"] for r in rows if r["variant"].startswith(PEER_PREFIX)})
+
+
+def peer_column(variant: str) -> str:
+    """Table column of the ours/FlashInfer speed ratio against ``variant``."""
+    return f"ours/FI speed ({variant.removeprefix(PEER_PREFIX + '_paged_')})"
+
+
+def _speed(ours: dict | None, peer: dict | None) -> float | None:
+    """``peer ms / ours ms`` (> 1: ours faster), or None when either was not measured."""
+    return peer["ms"] / ours["ms"] if ours and peer else None
 
 
 def _index(rows: list[dict], keys: tuple[str, ...]) -> dict:
@@ -41,6 +60,12 @@ def summarize(result: dict) -> dict:
     rp = dec.get((b, c, PAGED))
     ratio = rp["ms"] / flex["ms"] if rp and flex else None
     target(f"decode {b}x{c} {PAGED} / flex_attention paged time", ratio, "< 1.0", ratio is not None and ratio < 1)
+    for fv in peer_variants(result["decode"]):
+        for (bb, cc, v), r in sorted(dec.items()):
+            if v == fv and bb == PEER_TARGET_BATCH:
+                speed = _speed(dec.get((bb, cc, PAGED)), r)
+                target(f"decode {bb}x{cc} {PAGED} vs {fv}: speed (FI ms / ours ms)", speed, ">= 1.0",
+                       speed is not None and speed >= 1.0)
     sd = pre.get((PREFILL_TARGET, "sdpa_flash_contiguous"))
     for variant in (CONTIG, "triton_contig_per_layer", PAGED):
         r = pre.get((PREFILL_TARGET, variant))
@@ -65,12 +90,16 @@ def tables(result: dict) -> str:
     cbw = result["copy_bandwidth"]
     lines.append(f"Copy bandwidth (read + write): **{cbw['gbps']:.0f} GB/s** "
                  f"({cbw['buffer_bytes'] / 2**30:.0f} GiB buffer, {cbw['ms']:.3f} ms)\n")
+    if result.get("peers"):
+        lines.append("Peers: " + ", ".join(f"{k} {v}" for k, v in result["peers"].items()) + "\n")
     dec = _index(result["decode"], ("batch", "context"))
     variants = sorted({r["variant"] for r in result["decode"]},
                       key=lambda v: (not v.startswith("triton"), not v.startswith("sdpa"), v))
     points = sorted({(r["batch"], r["context"]) for r in result["decode"]}, key=lambda p: (p[1], p[0]))
     paged = [v for v in variants if v.startswith("triton_paged")]
-    cols = ["batch", "context", *variants, *[f"{p.removeprefix('triton_')}/contig" for p in paged]]
+    peers = peer_variants(result["decode"])
+    cols = ["batch", "context", *variants, *[f"{p.removeprefix('triton_')}/contig" for p in paged],
+            *[peer_column(v) for v in peers]]
     rows = []
     for b, c in points:
         cells = [_cell(dec.get((b, c, v)), "pct_copy_bw") for v in variants]
@@ -79,9 +108,12 @@ def tables(result: dict) -> str:
         for p in paged:
             rp = dec.get((b, c, p))
             ratios.append(f"{rp['ms'] / rc['ms']:.3f}" if rp and rc else "-")
-        rows.append([str(b), str(c), *cells, *ratios])
+        speeds = [_speed(dec.get((b, c, PAGED)), dec.get((b, c, v))) for v in peers]
+        rows.append([str(b), str(c), *cells, *ratios, *["-" if x is None else f"{x:.3f}" for x in speeds]])
     lines.append("Decode attention: ms (% of copy bandwidth)\n")
     lines.append(markdown_table(cols, rows))
+    if peers:
+        lines.append("\n" + PEER_NOTE)
     gb_rows = []
     for b, c in points:
         gb_rows.append([str(b), str(c), *[(f"{dec[(b, c, v)]['gbps']:.0f}" if (b, c, v) in dec else "-")
@@ -90,14 +122,19 @@ def tables(result: dict) -> str:
     lines.append(markdown_table(["batch", "context", *variants], gb_rows))
     pre = _index(result["prefill"], ("context",))
     pv = sorted({r["variant"] for r in result["prefill"]}, key=lambda v: (not v.startswith("triton"), v))
+    ppeers = peer_variants(result["prefill"])
     prow = []
     for c in sorted({r["context"] for r in result["prefill"]}):
         sd = pre.get((c, "sdpa_flash_contiguous"))
+        speeds = [_speed(pre.get((c, PAGED)), pre.get((c, v))) for v in ppeers]
         prow.append([str(c), *[_cell(pre.get((c, v)), "tflops") for v in pv],
                      *[(f"{sd['ms'] / pre[(c, v)]['ms']:.2f}" if sd and (c, v) in pre else "-")
-                       for v in (CONTIG, PAGED)]])
+                       for v in (CONTIG, PAGED)], *["-" if x is None else f"{x:.3f}" for x in speeds]])
     lines.append("\nPrefill attention (causal, one sequence): ms (TFLOP/s)\n")
-    lines.append(markdown_table(["context", *pv, "contig/SDPA thr.", "paged16/SDPA thr."], prow))
+    lines.append(markdown_table(["context", *pv, "contig/SDPA thr.", "paged16/SDPA thr.",
+                                 *[peer_column(v) for v in ppeers]], prow))
+    if ppeers:
+        lines.append("\n" + PEER_NOTE)
     if "summary" in result:
         lines.append("\nTargets\n")
         lines.append(markdown_table(

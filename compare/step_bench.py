@@ -1,0 +1,274 @@
+"""``vmkv compare step``: the engine's decode step against its bandwidth floor, on every backend in one run.
+
+For each backend of ``--backends`` (each in a fresh ``python -m vmkv.compare.step_worker`` process, so it
+starts from an empty device) and each grid point ``(B, L)`` of ``--batch-sizes`` x ``--context-lens``: ``B``
+requests of ``L`` random prompt ids run to the end of their prefill, then ``--steps`` decode-only
+``engine.step()`` calls are timed one by one (after ``--warmup-steps``; every step checked to carry exactly
+``B`` decode tokens and no prompt token).  Per point: the step time (median, p10, p90), the floor
+``(weight bytes + KV bytes read) / read bandwidth`` (the bandwidth measured in the same worker: a ``sum``
+over 4 GiB on CUDA, 64 MiB on CPU, best of 10), floor/step, the GPU-busy share (``torch.profiler``, CUDA
+activity: kernel time / wall time over ``--profile-steps`` further decode steps; CUDA only) and the output
+tokens/s, with vmem/paged tok/s.  Writes ``step_bench.json`` (environment, command, every point and every
+timed step) and ``step_bench.md`` under ``--out``; ``raw/`` keeps each worker's config, result and log.
+
+The model has random weights of a named shape (``--model llama3-8b``; ``tiny`` runs on CPU in seconds).
+Backend options and ``--enforce-eager`` / ``--cuda-graph-sizes`` go to the engine as in ``vmkv compare
+engine``.  The KV budget (``--kv-memory``) defaults to what the largest point needs plus 20%, the same on
+every backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vmkv.compare import report
+from vmkv.compare.engine_bench import backend_knobs, check_backends
+from vmkv.compare.shapes import SHAPES, get_shape
+from vmkv.compare.step_worker import max_tokens_for
+from vmkv.engine.args import add_backend_option_args, add_graph_args, parse_size
+from vmkv.engine.config import ENGINE_DTYPES
+from vmkv.kvcache.registry import option_backends
+
+__all__ = ["add_arguments", "run", "parse_grid", "plan", "render_markdown", "COLUMNS"]
+
+COLUMNS = ["backend", "B", "L", "step ms (p10-p90)", "floor ms", "floor/step", "GPU-busy %", "tok/s",
+           "vmem/paged tok/s"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to measure")
+    g.add_argument("--backends", default="paged,vmem", help="comma-separated KV backends (default: %(default)s)")
+    g.add_argument("--model", default="llama3-8b", help=f"random-weight shape: {', '.join(SHAPES)} "
+                   "(default: %(default)s)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=ENGINE_DTYPES,
+                   help="model and KV dtype (default: auto, bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--batch-sizes", default="1,64,256", help="comma-separated B (default: %(default)s)")
+    g.add_argument("--context-lens", default="1024,2048",
+                   help="comma-separated L, prompt tokens (default: %(default)s)")
+    g.add_argument("--steps", type=int, default=20, help="timed decode steps per point (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=3, help="decode steps before timing (default: %(default)s)")
+    g.add_argument("--profile-steps", type=int, default=5,
+                   help="CUDA: further decode steps under torch.profiler for the GPU-busy share (0: skip)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="token budget per step (prefill speed only; decode steps carry B tokens)")
+    e.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
+                   help="KV budget of every backend (default: the largest point's KV + 20%%)")
+    add_backend_option_args(e, "--page-size", "; given to the backends that have the option")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    add_graph_args(e)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/step-<UTC time>)")
+    o.add_argument("--timeout-s", type=float, default=1800, help="per backend")
+    o.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads in the workers")
+
+
+def parse_grid(text: str, flag: str) -> list[int]:
+    """``"1,64,256"`` -> ``[1, 64, 256]`` (order kept, duplicates dropped).  Raises ValueError naming the
+    flag, the value and what is allowed."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not an integer; give positive integers separated by "
+                             f"commas, e.g. {flag} 1,64,256") from None
+        if value < 1:
+            raise ValueError(f"{flag}: {value} must be >= 1")
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise ValueError(f"{flag} is empty; give positive integers separated by commas, e.g. {flag} 1,64,256")
+    return out
+
+
+def plan(args) -> dict:
+    """Validate the command line and derive the run: backends, points, ``max_model_len``, KV budget, the
+    engine knobs of each backend.  Raises ValueError with a message that names the flag and the fix."""
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends:
+        raise ValueError("--backends is empty; e.g. --backends paged,vmem")
+    check_backends(args, backends)
+    if args.model not in SHAPES:
+        raise ValueError(f"--model {args.model!r} is not a random-weight shape; choose one of {sorted(SHAPES)}")
+    shape = get_shape(args.model)
+    batches = parse_grid(args.batch_sizes, "--batch-sizes")
+    contexts = parse_grid(args.context_lens, "--context-lens")
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup-steps", args.warmup_steps, 0),
+                             ("--profile-steps", args.profile_steps, 0), ("--seed", args.seed, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    budget = args.max_num_batched_tokens
+    if budget <= max(batches):
+        raise ValueError(f"--max-num-batched-tokens {budget} must exceed the largest batch size {max(batches)} "
+                         "(a step holds every decode token and some prefill); raise it")
+    num_decode = args.warmup_steps + args.steps + args.profile_steps
+    need = {(b, c): c + max_tokens_for(b, c, budget, num_decode) for b in batches for c in contexts}
+    max_model_len = int(math.ceil(max(need.values()) / 16) * 16)
+    if max_model_len > shape.max_model_len:
+        worst = max(need, key=need.get)
+        raise ValueError(f"--context-lens {max(contexts)} needs {need[worst]} positions per sequence "
+                         f"(prompt + decode steps) at B={worst[0]}, more than {args.model}'s context of "
+                         f"{shape.max_model_len}; use context lengths up to "
+                         f"{shape.max_model_len - (need[worst] - worst[1]) - 16}")
+    spec = shape.spec(_kv_dtype(args))
+    kv_need = max(spec.kv_bytes(b * int(math.ceil(n / 16) * 16)) for (b, _), n in need.items())
+    memory_bytes = args.kv_memory or int(kv_need * 1.2) + (64 << 20)
+    knobs = {}
+    for backend in backends:
+        k = {"max_num_seqs": max(batches), "max_num_batched_tokens": budget, "max_model_len": max_model_len,
+             "seed": args.seed, "random_weights": args.model, "memory_bytes": memory_bytes,
+             "enforce_eager": args.enforce_eager,
+             "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None}
+        k.update({o: v for o, v in backend_knobs(args).items() if backend in option_backends(o)})
+        knobs[backend] = k
+    return {"backends": backends, "batch_sizes": batches, "context_lens": contexts,
+            "points": [[b, c] for c in contexts for b in batches], "max_model_len": max_model_len,
+            "memory_bytes": memory_bytes, "knobs": knobs}
+
+
+def _kv_dtype(args) -> str:
+    """The dtype the engine will run in (``auto``: bf16 on CUDA, fp32 on CPU), for the KV budget."""
+    if args.dtype not in (None, "auto"):
+        return args.dtype
+    import torch
+
+    cuda = torch.cuda.is_available() if args.device is None else str(args.device).startswith("cuda")
+    return "bf16" if cuda else "fp32"
+
+
+def _run_worker(cfg: dict, out_dir: Path, timeout_s: float, threads: int | None, say) -> dict:
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    name = f"step-{cfg['backend']}"
+    cfg_path, res_path, log_path = raw / f"{name}.config.json", raw / f"{name}.json", raw / f"{name}.log"
+    report.write_json(cfg_path, cfg)
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "vmkv.compare.step_worker", str(cfg_path), str(res_path)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        t0 = time.perf_counter()
+        try:
+            for line in proc.stdout:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if ev.get("event") == "point":
+                    say(f"  {cfg['backend']} B={ev['batch']} L={ev['context']}: {ev['step_ms']:.2f} ms/step")
+                elif ev.get("event") == "loaded":
+                    say(f"  {cfg['backend']}: engine built in {ev['load_s']:.1f} s")
+                if time.perf_counter() - t0 > timeout_s:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+            proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return {"backend": cfg["backend"], "error": f"timed out after {timeout_s} s", "points": []}
+    if proc.returncode != 0 or not res_path.exists():
+        tail = log_path.read_text().strip().splitlines()[-15:]
+        return {"backend": cfg["backend"], "points": [],
+                "error": f"worker exited with {proc.returncode}: " + "\n".join(tail)}
+    result = json.loads(res_path.read_text())
+    result["raw_file"] = str(res_path.relative_to(out_dir))
+    return result
+
+
+def _ratios(points: list[dict]) -> None:
+    """``vmem_over_paged_tok_s`` on each vmem point that has a paged twin."""
+    paged = {(p["batch"], p["context"]): p for p in points if p["backend"] == "paged" and "step_ms" in p}
+    for p in points:
+        twin = paged.get((p["batch"], p["context"]))
+        if p["backend"] == "vmem" and twin and "output_tok_s" in p:
+            p["vmem_over_paged_tok_s"] = p["output_tok_s"] / twin["output_tok_s"]
+
+
+def _cells(p: dict) -> list[str]:
+    if "error" in p:
+        return [p["backend"], str(p["batch"]), str(p["context"]), "error: " + p["error"].splitlines()[0][:60],
+                "-", "-", "-", "-", "-"]
+    busy = p.get("gpu_busy_pct")
+    ratio = p.get("vmem_over_paged_tok_s")
+    return [p["backend"], str(p["batch"]), str(p["context"]),
+            f"{p['step_ms']:.2f} ({p['step_ms_p10']:.2f}-{p['step_ms_p90']:.2f})", f"{p['floor_ms']:.2f}",
+            f"{p['floor_over_step']:.3f}", "-" if busy is None else f"{busy:.1f}", f"{p['output_tok_s']:,.0f}",
+            "-" if ratio is None else f"{ratio:.3f}"]
+
+
+def render_markdown(result: dict) -> str:
+    """``step_bench.md``: the command, the environment, each backend's bandwidth and weights, the table."""
+    env = result["environment"]
+    lines = ["# vmkv compare step", "", f"Command: `{env['command']}`", "",
+             f"Commit {env.get('git_commit')}, torch {env['torch']}, triton {env.get('triton')}, "
+             f"device {result.get('device_name') or env.get('cpu')}", ""]
+    for b, w in result["workers"].items():
+        if "error" in w and not w.get("read_bandwidth"):
+            lines.append(f"- {b}: error: {w['error'].splitlines()[0]}")
+            continue
+        bw = w["read_bandwidth"]
+        sizes = w["cuda_graph_sizes"] or "default"
+        graphs = "--enforce-eager" if w["enforce_eager"] else f"CUDA graphs allowed (sizes {sizes})"
+        lines.append(f"- {b}: read bandwidth {bw['bytes_per_s'] / 1e9:,.1f} GB/s ({bw['method']}, "
+                     f"{report.fmt_bytes(bw['buffer_bytes'])}), weights {w['weight_bytes'] / 1e9:.4g} GB, "
+                     f"KV {w['kv_bytes_per_token'] / 1024:g} KiB/token, {graphs}, "
+                     f"engine built in {w['load_s']:.1f} s")
+    lines += ["", "floor = (weight bytes + KV bytes read) / read bandwidth; floor/step = floor / median step; "
+              "GPU-busy % = device kernel time / wall time (torch.profiler, CUDA only); vmem/paged on tok/s.", ""]
+    lines.append(report.markdown_table(COLUMNS, [_cells(p) for p in result["points"]]))
+    return "\n".join(lines) + "\n"
+
+
+def _write(out_dir: Path, env: dict, args, cfg: dict, workers: dict, points: list[dict]) -> dict:
+    """Write ``step_bench.json`` and ``step_bench.md`` for the backends run so far; returns the result."""
+    _ratios(points)
+    device_name = next((w.get("device_name") for w in workers.values() if w.get("device_name")), None)
+    result = {"kind": "step", "environment": env, "command": env["command"], "args": vars(args),
+              "device_name": device_name, "plan": cfg, "workers": workers, "points": points}
+    report.write_json(out_dir / "step_bench.json", result)
+    (out_dir / "step_bench.md").write_text(render_markdown(result))
+    return result
+
+
+def run(args) -> int:
+    console = report.console()
+    try:
+        cfg = plan(args)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    out_dir = Path(args.out or f"vmkv-results/step-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = report.environment(seed=args.seed)
+    workers: dict[str, dict] = {}
+    points: list[dict] = []
+    for backend in cfg["backends"]:
+        console.print(f"{backend}: {len(cfg['points'])} points")
+        wcfg = {"backend": backend, "device": args.device, "dtype": args.dtype, "knobs": cfg["knobs"][backend],
+                "points": cfg["points"], "seed": args.seed, "steps": args.steps, "warmup_steps": args.warmup_steps,
+                "profile_steps": args.profile_steps, "temperature": args.temperature,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "torch_threads": args.torch_threads}
+        res = _run_worker(wcfg, out_dir, args.timeout_s, args.torch_threads, console.print)
+        if "error" in res:
+            console.print(f"[red]{backend} failed:[/red] {res['error']}")
+        points += [{"backend": backend, **p} for p in res["points"]]
+        workers[backend] = {k: v for k, v in res.items() if k != "points"}
+        _write(out_dir, env, args, cfg, workers, points)   # after every backend: a cut run keeps its part
+    console.print(report.make_table("decode step vs floor", COLUMNS, [_cells(p) for p in points]))
+    console.print(f"results in {out_dir}")
+    failed = any("error" in w for w in workers.values()) or any("error" in p for p in points)
+    return 1 if failed else 0

@@ -54,7 +54,7 @@ python3 -c "import kvcached, kvcached.vmm_ops; print('kvcached ok', kvcached.__v
 tail -3 "$O/build_kvcached.log" "$O/build_vattention.log"
 
 ORDER=${ORDER:-vmem,vattention,kvcached,vmem-per_layer,vattention-megacache,kvcached-sync,kvcached,vattention,vmem}
-CMD="python3 -m vmkv.compare.alloc_peers --out $O --allocators $ORDER --deadline-s ${DEADLINE_S:-170} --commit $C"
+CMD="python3 -m vmkv.compare.alloc_peers --out $O --allocators $ORDER --deadline-s ${DEADLINE_S:-120} --worker-timeout-s 60 --commit $C"
 CMD="$CMD --peer-source vattention=github.com/microsoft/vattention@$V --peer-source kvcached=PyPI-sdist-$(ls "$P" | sed -n 's/^kvcached-\(.*\)\.tar\.gz$/\1/p')"
 echo "\$ $CMD" > "$O/run.log"
-timeout ${BENCH_S:-300} $CMD 2>&1 | tee -a "$O/run.log" | tail -45
+timeout ${BENCH_S:-240} $CMD 2>&1 | tee -a "$O/run.log" | tail -45

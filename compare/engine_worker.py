@@ -96,10 +96,11 @@ class _Sampler:
 
 
 def _params(req: Request, temperature: float):
-    from vmkv.engine.sampling_params import SamplingParams
+    from vmkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
+    # the worker reads finished outputs only (token times come from the request's metrics)
     return SamplingParams(n=req.n, temperature=temperature, top_p=1.0, max_tokens=req.output_len,
-                          ignore_eos=True)
+                          ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _record(out, req: Request) -> RequestRecord:

@@ -173,3 +173,31 @@ def test_limits_are_resolved_once_with_one_cache_build(tiny, backend, monkeypatc
         engine.max_model_len = 10                       # read-only: resolved, never assigned
     with pytest.raises(dataclasses.FrozenInstanceError):
         engine.resolved.max_model_len = 10              # type: ignore[misc]
+
+
+def test_final_only_requests_are_reported_once_when_they_finish():
+    """``RequestOutputKind.FINAL_ONLY`` (vLLM's): no per-step outputs, one final output whose delta is
+    the whole completion; a streaming request in the same batch still reports every step."""
+    from vmkv.engine.config import EngineConfig
+    from vmkv.engine.llm_engine import LLMEngine
+    from vmkv.engine.sampling_params import RequestOutputKind, SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_args(None, "paged", "cpu", "float32", random_weights="tiny",
+                                              max_num_seqs=4, max_model_len=64))
+    final = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("final", None, final, prompt_token_ids=[1, 2, 3])
+    engine.add_request("stream", None, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                       prompt_token_ids=[1, 2, 3])
+    seen: dict[str, list] = {"final": [], "stream": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["stream"]) == 5 and len(seen["final"]) == 1
+    (out,) = seen["final"]
+    assert out.finished and list(out.outputs[0].token_ids) == list(seen["stream"][-1].outputs[0].token_ids)
+    assert list(out.outputs[0].delta_token_ids) == list(out.outputs[0].token_ids)
+    assert len(out.metrics.token_times) == 5
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=2)
+    engine.close()

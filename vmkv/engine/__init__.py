@@ -5,7 +5,7 @@ Imports are lazy so that ``vmkv.engine.config`` and friends load without the mod
 
 from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "EngineConfig", "CacheConfig", "SchedulerConfig", "EngineStats", "RequestMetrics",
            "PromptTooLongError", "RequestFailedError"]
 
@@ -13,6 +13,7 @@ _WHERE = {
     "LLM": "vmkv.engine.llm",
     "LLMEngine": "vmkv.engine.llm_engine",
     "SamplingParams": "vmkv.engine.sampling_params",
+    "RequestOutputKind": "vmkv.engine.sampling_params",
     "RequestOutput": "vmkv.engine.outputs",
     "CompletionOutput": "vmkv.engine.outputs",
     "EngineStats": "vmkv.engine.outputs",

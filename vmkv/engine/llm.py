@@ -9,13 +9,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from typing import Any, Union
 
 from vmkv.engine.input_processor import check_cache_salt
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import CompletionOutput, RequestOutput
-from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -88,6 +90,8 @@ class LLM:
                             f"{type(prompts).__name__}: {prompts!r}"[:300])
         prompts = list(prompts)
         params_list = self._params_list(params if params is not None else sampling_params, len(prompts))
+        # only final outputs are returned: no per-step output objects (vLLM's LLM does the same)
+        params_list = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         parsed = [self._parse_prompt(prompt) for prompt in prompts]
         request_ids: list[str] = []
         try:

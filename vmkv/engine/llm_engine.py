@@ -276,8 +276,9 @@ class LLMEngine:
             group = s.seq.group
             if group.error is not None:
                 continue                                # failed earlier in this step
-            try:
-                if self._update_seq(s, result.sampled.get(s.seq.seq_id), now):
+            try:     # FINAL_ONLY requests are reported when they finish (take_unreported)
+                if self._update_seq(s, result.sampled.get(s.seq.seq_id), now) and (
+                        group.streams or group.is_finished):
                     touched[group.request_id] = group
             except Exception as exc:
                 if is_fatal_error(exc):

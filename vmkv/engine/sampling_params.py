@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_INT32", "MAX_INT64"]
+__all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_EPS", "MAX_INT32", "MAX_INT64"]
 
 #: temperatures below this are treated as greedy (argmax)
 GREEDY_EPS = 1e-5
@@ -27,6 +28,19 @@ def _check_int(name: str, value: object, low: int, high: int, prefix: str = "") 
         raise ValueError(f"{name} must be {prefix}an int in [{low}, {high}], got {value!r}")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """When a request's outputs are reported (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE`` and ``DELTA``: after every step that produced tokens (each output carries both the
+    cumulative tokens/text and the delta since the previous one); ``FINAL_ONLY``: once, when the
+    request finishes (offline generation: no per-step output objects are built).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
@@ -46,6 +60,7 @@ class SamplingParams:
         stop_token_ids: token ids in [0, 2**63 - 1] that end the output (``stop_reason`` = the id).
         ignore_eos: keep generating after the model's EOS token(s).
         skip_special_tokens: leave special tokens out of the output text.
+        output_kind: a :class:`RequestOutputKind`: per-step outputs (default) or the final one only.
     Raises:
         ValueError: a parameter out of range, e.g. ``"temperature must be in [0, 2], got 5"``.
     """
@@ -60,6 +75,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __setattr__(self, name: str, value: object) -> None:
         # one spelling of a stop list, whether given to the constructor or assigned later
@@ -111,6 +127,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind "
+                             f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:

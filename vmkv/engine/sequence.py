@@ -17,7 +17,7 @@ import torch
 
 from vmkv.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback_len
 from vmkv.engine.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
-from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence", "SequenceGroup", "PromptTooLongError"]
 
@@ -268,6 +268,11 @@ class SequenceGroup:
             else:
                 running.append(child)
         return running
+
+    @property
+    def streams(self) -> bool:
+        """Reported after every step that produced tokens (not ``RequestOutputKind.FINAL_ONLY``)."""
+        return self.params.output_kind != RequestOutputKind.FINAL_ONLY
 
     # ------------------------------------------------------------------ output
     def to_output(self) -> RequestOutput:

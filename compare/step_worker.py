@@ -159,16 +159,20 @@ class _Point:
     def decode_step(self) -> dict:
         """One checked decode-only step, timed with the device synchronised before and after."""
         eng = self.engine
-        st0 = eng.get_stats()
+        st0, rel0 = eng.get_stats(), getattr(eng.runner, "release_time_s_total", 0.0)
         kv_tokens = sum(self.context + g for g in self.generated.values())
         self.sync()
         t0 = time.perf_counter()
         outputs = eng.step()
         self.sync()
         dt = time.perf_counter() - t0
-        st1 = eng.get_stats()
+        st1, rel1 = eng.get_stats(), getattr(eng.runner, "release_time_s_total", 0.0)
         new = self._collect(outputs)
-        row = {"step_s": dt, "kv_tokens_read": kv_tokens,
+        # KV bookkeeping inside the step: allocate/extend (critical path), prefetch and idle release (after
+        # the forward is enqueued)
+        row = {"step_s": dt, "alloc_s": st1.alloc_time_s_total - st0.alloc_time_s_total,
+               "prefetch_s": st1.prefetch_time_s_total - st0.prefetch_time_s_total, "release_s": rel1 - rel0,
+               "kv_tokens_read": kv_tokens,
                "decode_tokens": st1.num_generation_tokens_total - st0.num_generation_tokens_total,
                "prompt_tokens": st1.num_prompt_tokens_total - st0.num_prompt_tokens_total,
                "num_seqs_with_one_new_token": sum(1 for n in new.values() if n == 1),
@@ -211,8 +215,10 @@ def _summary(steps: list[dict], batch: int, weight_bytes: int, bytes_per_token: 
     kv_bytes = float(np.mean([s["kv_tokens_read"] for s in steps])) * bytes_per_token
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     median = float(np.median(ms))
+    kv_ms = {k: float(np.mean([s[k + "_s"] for s in steps])) * 1e3 for k in ("alloc", "prefetch", "release")}
     return {"step_ms": median, "step_ms_p10": float(np.percentile(ms, 10)), "step_ms_p90": float(np.percentile(ms, 90)),
-            "step_ms_mean": float(ms.mean()), "kv_bytes_read": kv_bytes, "floor_ms": floor_ms,
+            "step_ms_mean": float(ms.mean()), "step_ms_max": float(ms.max()),
+            **{f"{k}_ms_per_step": v for k, v in kv_ms.items()}, "kv_bytes_read": kv_bytes, "floor_ms": floor_ms,
             "floor_over_step": floor_ms / median, "output_tok_s": batch * len(ms) / (ms.sum() * 1e-3)}
 
 

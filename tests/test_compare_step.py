@@ -47,13 +47,15 @@ def test_compare_step_tiny_both_backends(tmp_path):
         for s in p["steps"]:
             assert (s["decode_tokens"], s["prompt_tokens"], s["num_seqs_with_one_new_token"],
                     s["num_running_seqs"]) == (b, 0, b, b)
+            assert 0 <= s["alloc_s"] < s["step_s"] and s["prefetch_s"] >= 0 and s["release_s"] >= 0
         kv = [s["kv_tokens_read"] for s in p["steps"]]
         assert all(y - x == b for x, y in zip(kv, kv[1:]))          # every sequence grew by one token a step
         assert kv[0] >= b * (c + 2)                                    # prompt + first token + the warm-up step
         # the numbers agree with each other
         ms = sorted(s["step_s"] * 1e3 for s in p["steps"])
         assert p["floor_ms"] > 0 and ms[0] <= p["step_ms_p10"] <= p["step_ms"] <= p["step_ms_p90"] <= ms[-1]
-        assert p["step_ms"] == pytest.approx((ms[1] + ms[2]) / 2)
+        assert p["step_ms"] == pytest.approx((ms[1] + ms[2]) / 2) and p["step_ms_max"] == pytest.approx(ms[-1])
+        assert p["alloc_ms_per_step"] == pytest.approx(sum(s["alloc_s"] for s in p["steps"]) / steps * 1e3)
         assert p["kv_bytes_read"] == pytest.approx(sum(kv) / len(kv) * bpt)
         assert p["floor_ms"] == pytest.approx((weight_bytes + p["kv_bytes_read"]) / p["read_bytes_per_s"] * 1e3)
         assert p["floor_over_step"] == pytest.approx(p["floor_ms"] / p["step_ms"])

@@ -66,7 +66,9 @@ class ModelRunner:
 
     Attributes:
         forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
-        prefetch_time_s_total: seconds of that in ``kv_cache.prefetch``.
+        prefetch_time_s_total: seconds of that spent while the forward runs on the device: each
+            sampling sequence's next position backed ahead (``kv_cache.extend(seq_id, 1)``, so the
+            next schedule's ``extend`` has nothing to do) and ``kv_cache.prefetch``.
         release_time_s_total: seconds in ``kv_cache.release_idle`` (elastic shrink), called every
             step after the forward is enqueued (next to prefetch) and by :meth:`idle`.
         num_graph_steps: steps replayed from a CUDA graph.
@@ -123,11 +125,17 @@ class ModelRunner:
                 rows.append(SamplingRow(p.temperature, p.effective_top_k, p.top_p,
                                         group.generators[idx]))
                 owners.append(s.seq)
-        if self.prefetch_tokens and owners:
+        if owners:
             # the forward is enqueued, the host has not synchronized yet (sampling's .tolist()):
-            # map the pages the next steps will need while the GPU runs
+            # back the position each sampling sequence writes next step, and map the pages of the
+            # steps after, while the GPU runs (off the critical path of the next step's schedule)
             t1 = time.perf_counter()
-            self._prefetch(list(dict.fromkeys(o.seq_id for o in owners)))
+            seq_ids = list(dict.fromkeys(o.seq_id for o in owners))
+            # n > 1: a parent forks after this step and parent and children then share the unit
+            # they write: the schedule's extend makes it private (preempting if full), not this
+            self._extend_ahead([o.seq_id for o in dict.fromkeys(owners) if o.group.params.n == 1])
+            if self.prefetch_tokens:
+                self._prefetch(seq_ids)
             self.prefetch_time_s_total += time.perf_counter() - t1
         self._release_idle()      # still before the sync: idle KV pages past the grace go back
         result = StepResult()
@@ -169,6 +177,19 @@ class ModelRunner:
                 raise
             logger.warning("kv_cache.release_idle failed (memory stays held; ignored): %r", exc)
         self.release_time_s_total += time.perf_counter() - t0
+
+    def _extend_ahead(self, seq_ids: list[int]) -> None:
+        """``extend(seq_id, 1)`` for sequences about to sample: they write that position next step
+        unless they finish now (then ``free`` releases it with the rest).  A full cache or the end of
+        ``max_model_len`` is left to the scheduler (it preempts or finishes), so nothing raises."""
+        kv = self.kv_cache
+        for seq_id in seq_ids:
+            try:
+                kv.extend(seq_id, 1)
+            except Exception as exc:
+                if is_fatal_error(exc):
+                    raise
+                return                     # full (or at max_model_len): the scheduler decides
 
     def _prefetch(self, seq_ids: list[int]) -> None:
         try:

@@ -97,7 +97,8 @@ class LLMEngine:
         graphs = build_cuda_graphs(self.model, self.kv_cache, self.device, enforce_eager=config.enforce_eager,
                                    sizes=config.cuda_graph_sizes, max_num_seqs=r.max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
-                                  prefetch_tokens=r.prefetch_tokens, cuda_graphs=graphs)
+                                  prefetch_tokens=r.prefetch_tokens, cuda_graphs=graphs,
+                                  upcoming=self.scheduler.upcoming_admissions)
         self.requests = RequestTable(self.scheduler)
         self._next_seq_id = 0
         self._num_steps = 0

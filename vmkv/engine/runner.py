@@ -63,19 +63,22 @@ class ModelRunner:
             sequences that sample (0: no prefetch).
         cuda_graphs: a captured :class:`~vmkv.engine.cuda_graphs.CUDAGraphRunner`: decode steps it
             fits are replayed (prepare into its static buffer, one replay); ``None``: all eager.
+        upcoming: ``() -> prompt lengths`` of the next admissions (the scheduler's
+            ``upcoming_admissions``), passed to ``kv_cache.prefetch_admission`` while the forward runs.
 
     Attributes:
         forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
         prefetch_time_s_total: seconds of that spent while the forward runs on the device: each
             sampling sequence's next position backed ahead (``kv_cache.extend(seq_id, 1)``, so the
-            next schedule's ``extend`` has nothing to do) and ``kv_cache.prefetch``.
+            next schedule's ``extend`` has nothing to do), ``kv_cache.prefetch`` and
+            ``kv_cache.prefetch_admission``.
         release_time_s_total: seconds in ``kv_cache.release_idle`` (elastic shrink), called every
             step after the forward is enqueued (next to prefetch) and by :meth:`idle`.
         num_graph_steps: steps replayed from a CUDA graph.
     """
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 prefetch_tokens: int = 0, cuda_graphs=None) -> None:
+                 prefetch_tokens: int = 0, cuda_graphs=None, upcoming=None) -> None:
         if isinstance(prefetch_tokens, bool) or not isinstance(prefetch_tokens, int) or prefetch_tokens < 0:
             raise ValueError(f"prefetch_tokens must be an int >= 0, got {prefetch_tokens!r}")
         self.model = model
@@ -88,6 +91,7 @@ class ModelRunner:
         self.release_time_s_total = 0.0
         self.cuda_graphs = cuda_graphs
         self.num_graph_steps = 0
+        self.upcoming = upcoming
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -136,6 +140,10 @@ class ModelRunner:
             self._extend_ahead([o.seq_id for o in dict.fromkeys(owners) if o.group.params.n == 1])
             if self.prefetch_tokens:
                 self._prefetch(seq_ids)
+            self.prefetch_time_s_total += time.perf_counter() - t1
+        if self.upcoming is not None:
+            t1 = time.perf_counter()
+            self._prefetch(None)
             self.prefetch_time_s_total += time.perf_counter() - t1
         self._release_idle()      # still before the sync: idle KV pages past the grace go back
         result = StepResult()
@@ -191,9 +199,16 @@ class ModelRunner:
                     raise
                 return                     # full (or at max_model_len): the scheduler decides
 
-    def _prefetch(self, seq_ids: list[int]) -> None:
+    def _prefetch(self, seq_ids: list[int] | None) -> None:
+        """``kv_cache.prefetch`` of ``seq_ids``, or (``None``) ``prefetch_admission`` of the next
+        admissions; hints: a failure is logged and ignored."""
         try:
-            self.kv_cache.prefetch(seq_ids, self.prefetch_tokens)
+            if seq_ids is None:
+                lengths = self.upcoming()
+                if lengths:
+                    self.kv_cache.prefetch_admission(lengths)
+            else:
+                self.kv_cache.prefetch(seq_ids, self.prefetch_tokens)
         except Exception as exc:
             if is_fatal_error(exc):
                 raise

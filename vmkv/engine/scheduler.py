@@ -27,6 +27,7 @@ The scheduler deals in sequence ids and counts only; the runner turns them into 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -153,6 +154,17 @@ class Scheduler:
     def num_reserved_seqs(self) -> int:
         """Running sequences plus the forks their requests will still make."""
         return sum(s.group.num_seats(s) for s in self.running)
+
+    def upcoming_admissions(self) -> list[int]:
+        """Prompt lengths of the waiting sequences the next step would admit first (within the token
+        budget and the free seats): ``kv_cache.prefetch_admission``'s hint."""
+        out, budget = [], self.config.max_num_batched_tokens
+        for seq in itertools.islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))):
+            if budget <= 0:
+                break
+            out.append(seq.num_tokens)
+            budget -= seq.num_tokens
+        return out
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished (or aborted) sequence's KV and drop it from the queues.  The queues are

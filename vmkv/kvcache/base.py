@@ -147,6 +147,17 @@ class KVCache(abc.ABC):
             num_tokens: look-ahead in positions, >= 0.
         """
 
+    def prefetch_admission(self, num_tokens: Sequence[int]) -> None:
+        """Hint: sequences of these prompt lengths (in order) are about to be admitted; a backend may
+        prepare their KV memory now (best effort, never raises KVCacheFullError, changes no
+        sequence).  Called by the engine while a step's forward runs on the device, with the
+        waiting requests the next step would admit first.  The default does nothing (paged: its
+        static pool needs no preparation).
+
+        Args:
+            num_tokens: prompt lengths, each >= 1.
+        """
+
     def release_idle(self, now: float | None = None) -> int:
         """Give idle KV memory back to the device (elastic shrink), off the critical path: the engine
         calls it between steps and while it idles, never inside allocate/extend.  vmem releases the

@@ -31,7 +31,8 @@ def default_host_page_size(token_bytes: int, max_model_len: int) -> int:
     return base * max(1, min(-(-HOST_TARGET_PAGE_BYTES // base), -(-row_bytes // base)))
 
 
-def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]]) -> Slot:
+def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
+              exclude: frozenset = frozenset()) -> Slot | None:
     """Best fit among free slots: fewest driver calls to occupy it (a prefix-hit page already in
     place costs none, a hole one map, a page to replace or a cached prefix page to move out an
     unmap and a map); then the kept mapping closest to ``num_units`` from above (else the largest
@@ -59,7 +60,9 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]])
         kept = len(s.units)
         fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
         return (calls(s), fit, s.index)
-    free = [s for s in mapper.slots if s.is_free]
+    free = [s for s in mapper.slots if s.is_free and s.index not in exclude]
+    if not free:
+        return None
     # slots that keep no pages all score alike: only the lowest-index one competes (keeps the
     # choice O(slots with kept pages) instead of O(free slots x units) per admission)
     candidates = [s for s in free if s.units]

@@ -283,8 +283,9 @@ class SlotOpsMixin:
         self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
 
     def prefetch(self, slot: Slot, num_units: int) -> int:
-        """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of live
-        ``slot`` from free pool pages, in one batch, **without claiming them**.
+        """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of
+        ``slot`` (live, or free: an admission expected soon, from unit 0) from free pool pages, in
+        one batch, **without claiming them**.
 
         The pages stay kept (reclaimable, so they count as available for admission); the grow that
         later claims those units reuses them without a driver call.  Never reclaims, never waits
@@ -293,7 +294,6 @@ class SlotOpsMixin:
         Returns:
             The number of pages mapped.
         """
-        assert not slot.is_free, f"slot {slot.index} is free"
         budget = self.pool.num_plain_available
         end = slot.claimed
         for u in range(slot.claimed, min(num_units, self.layout.pages_per_slot)):

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from vmkv.kvcache.seqtable import check_count
+from vmkv.vmem.placement import pick_slot
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,29 @@ class VMemStatsMixin:
                     continue
                 target = min(self.max_model_len, seq.seq_len + num_tokens)
                 self.mapper.prefetch(seq.units, self.layout.num_units(target))
+        finally:
+            self._prefetch_ns += time.perf_counter_ns() - t0
+
+    def prefetch_admission(self, num_tokens: Sequence[int]) -> None:
+        """Map, off the critical path, the pages of the admissions expected next (prompt lengths in
+        admission order, plus the look-ahead): each gets the free slot :func:`pick_slot` would give
+        it, its holes filled from free pool pages without claiming them (:meth:`SlotMapper.prefetch`;
+        no reclaiming, no fence wait), so the ``allocate`` that follows finds them kept and makes
+        no driver call.  Best effort; never raises KVCacheFullError; time counted with
+        :meth:`prefetch`."""
+        self._check_open()
+        t0 = time.perf_counter_ns()
+        taken: set[int] = set()
+        try:
+            for n in num_tokens:
+                if self.mapper.pool.num_plain_available == 0:
+                    break
+                units = self.layout.num_units(min(self.max_model_len, int(n) + self.lookahead_tokens))
+                slot = pick_slot(self.mapper, units, [], frozenset(taken))
+                if slot is None:
+                    break
+                taken.add(slot.index)
+                self.mapper.prefetch(slot, units)
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 

@@ -146,6 +146,15 @@ def test_vmem_adapter_runs_the_trace_on_cpu(name, tokens_per_unit, pages_per_uni
     assert r["info"]["num_released_pages"] > 0 and r["info"]["page_size_bytes"] == PAGE
 
 
+def test_vmem_prealloc_holds_its_whole_pool():
+    cap = 1 << 20
+    r = ap.run_allocator("vmem-prealloc", bench(kv_memory_bytes=cap), CFG)
+    assert r["status"] == "ok" and r["touch_ok"]
+    mem = r["memory"]
+    assert mem["after_init"]["held_bytes"] == mem["after_idle"]["held_bytes"] == mem["after_drop"]["held_bytes"] == cap
+    assert r["grow"]["num_boundary_calls"] == r["grow"]["num_calls_that_mapped"] > 0
+
+
 # ---------------------------------------------------------------------------------------- fakes
 def _module(name: str, **attrs) -> types.ModuleType:
     m = types.ModuleType(name)

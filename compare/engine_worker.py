@@ -208,9 +208,14 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
                             output_len="8", seed=spec.seed + 7919)
         wreqs = generate(warm, engine.model_config.vocab_size)
-        for r in wreqs:
-            r.request_id = "warmup-" + r.request_id
+        # then short prompts: the prefill kernel's configuration for query lengths <= 16 (the
+        # tails of chunked prompts in mixed steps) compiles here, not in the measured run
+        short = generate(WorkloadSpec(num_requests=num_warm, input_len="4..12", output_len="4",
+                                      seed=spec.seed + 7920), engine.model_config.vocab_size)
+        for i, r in enumerate(wreqs + short):
+            r.request_id = f"warmup-{i}-{r.request_id}"
         _drive(engine, wreqs, temperature, online=False, sampler=None)
+        _drive(engine, short, temperature, online=False, sampler=None)
     warmup_s = time.perf_counter() - t_warm
     if cuda_device is not None:
         torch.cuda.synchronize(cuda_device)

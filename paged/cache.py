@@ -184,11 +184,14 @@ class PagedKVCache(KVCacheCore):
     def _build_metadata(self, batch: Sequence[StepSeq], states: list[SeqState], pad_to: int | None,
                         out: torch.Tensor | None) -> AttentionMetadata:
         """``block_tables int32 [num_seqs, width]`` (one fancy index of the host block-table rows,
-        padded with 0; the full ``max_blocks_per_seq`` width for a padded graph step) and the slot
+        padded with 0; width a multiple of 16, the full ``max_blocks_per_seq`` for a padded graph step) and the slot
         mapping ``block_table[p // block_size] * block_size + p % block_size`` (one numpy
         expression)."""
         bs = self.block_size
-        width = self.max_blocks_per_seq if pad_to is not None else max(len(s.units) for s in states)
+        # a multiple of 16 columns (capped at max_blocks_per_seq): the kernels' table stride then
+        # takes one Triton specialization, not a recompile whenever the widest sequence crosses one
+        width = self.max_blocks_per_seq if pad_to is not None else min(
+            self.max_blocks_per_seq, -(-max(len(s.units) for s in states) // 16) * 16)
         bt = self.blocks.tables.gather((s.row for s in states), len(states), width)
         seq_index, positions = step_token_positions(batch) if batch else (np.zeros(0, np.int64),) * 2
         slots = bt[seq_index, positions // bs].astype(np.int64) * bs + positions % bs

@@ -413,9 +413,12 @@ def test_prepare_write_kv_attention_mixed_batch_gqa():
     cache.extend(2, 1)
     batch = [StepSeq(1, 0, 7), StepSeq(2, 9, 1), StepSeq(3, 4, 5)]
     meta = cache.prepare(batch)
-    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.shape == (3, 3)
+    # width: a multiple of 16 capped at max_blocks_per_seq (one Triton specialization of the stride)
+    width = min(16, cache.max_blocks_per_seq)
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.shape == (3, width)
     assert cache.block_table(2) == [2, 3, 4] and cache.block_table(3) == [5, 6, 7]
-    assert meta.block_tables.tolist() == [[0, 1, 0], [2, 3, 4], [5, 6, 7]]
+    pad = [0] * (width - 3)
+    assert meta.block_tables.tolist() == [[0, 1, 0] + pad, [2, 3, 4] + pad, [5, 6, 7] + pad]
     assert meta.query_start_loc.tolist() == [0, 7, 8, 13]
     assert meta.seq_lens.tolist() == [7, 10, 9] and meta.context_lens.tolist() == [0, 9, 4]
     # slot = block_table[pos // 4] * 4 + pos % 4

@@ -21,6 +21,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from vmkv.envs import git_commit_override
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -76,8 +78,12 @@ def environment(argv: Sequence[str] | None = None, seed: int | None = None) -> d
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton is a Linux dependency
         triton_version = None
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT)
-    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO_ROOT))
+    # a tree copied without its .git (e.g. ``git archive`` onto a GPU machine) names its commit in
+    # VMKV_GIT_COMMIT; otherwise git is asked, in the repository this file belongs to
+    override = git_commit_override()
+    commit = override or _run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT)
+    dirty = None if override else bool(_run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                           cwd=_REPO_ROOT))
     argv = list(sys.argv if argv is None else argv)
     if argv and Path(argv[0]).name in ("vmkv", "cli.py", "__main__.py"):
         argv[0] = "vmkv"  # `python -m vmkv.cli ...` and the console script are the same command

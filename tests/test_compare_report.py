@@ -39,3 +39,14 @@ def test_plots_write_png(tmp_path):
     q = report.plot_throughput_vs_rate({"paged": [(1.0, 10.0, 5.0), (2.0, 18.0, 7.0)]}, tmp_path / "tp.png")
     for f in (p, q):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_environment_names_the_commit_of_a_copied_tree(monkeypatch):
+    """A tree copied without .git (git archive on a GPU machine) names its commit through VMKV_GIT_COMMIT."""
+    from vmkv.compare.report import environment
+
+    monkeypatch.setenv("VMKV_GIT_COMMIT", "abc1234")
+    env = environment(argv=["x"])
+    assert env["git_commit"] == "abc1234" and env["git_dirty"] is None
+    monkeypatch.delenv("VMKV_GIT_COMMIT")
+    assert environment(argv=["x"])["git_commit"] != "abc1234"

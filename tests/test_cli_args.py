@@ -26,6 +26,7 @@ ENGINE_FLAGS = [
     "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa", "--lookahead-tokens", "32",
     "--preallocate", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
     "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5", "--enforce-eager", "--cuda-graph-sizes", "2", "1",
+    "--tensor-parallel-size", "2",
 ]
 EXPECTED_KWARGS = dict(
     model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
@@ -34,6 +35,7 @@ EXPECTED_KWARGS = dict(
     page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
     lookahead_tokens=32, preallocate=True, enable_prefix_caching=False, enable_chunked_prefill=False,
     kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5, enforce_eager=True, cuda_graph_sizes=[2, 1],
+    tensor_parallel_size=2,
 )
 
 
@@ -77,7 +79,8 @@ def test_defaults_come_from_the_configs():
     assert kw == dict(
         model=ec.model, kv_backend=cc.backend, device=ec.device, dtype=ec.dtype, seed=ec.seed,
         random_weights=ec.random_weights, enforce_eager=ec.enforce_eager,
-        cuda_graph_sizes=ec.cuda_graph_sizes, max_num_seqs=sc.max_num_seqs,
+        cuda_graph_sizes=ec.cuda_graph_sizes, tensor_parallel_size=ec.tensor_parallel_size,
+        max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
         memory_bytes=cc.memory_bytes, gpu_memory_utilization=cc.gpu_memory_utilization,
         block_size=cc.block_size, page_size_bytes=cc.page_size_bytes, layout=cc.layout,
@@ -354,3 +357,12 @@ def test_graph_flags_reach_the_config():
     assert cfg.enforce_eager is True and cfg.cuda_graph_sizes == (1, 4, 8)
     with pytest.raises(ValueError, match="cuda_graph_sizes"):
         EngineConfig(cuda_graph_sizes=(0,))
+
+
+def test_tensor_parallel_size_flag_reaches_the_config():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert EngineConfig.from_args(**engine_kwargs(p.parse_args(["-tp", "4"]))).tensor_parallel_size == 4
+    assert EngineConfig.from_args(**engine_kwargs(p.parse_args([]))).tensor_parallel_size == 1
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tensor-parallel-size", "0"])

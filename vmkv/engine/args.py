@@ -108,7 +108,8 @@ def positive_int(text: str) -> int:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine options to ``parser`` in two groups: "model" (``--model --backend --device
-    --dtype --random-weights --seed --threads --enforce-eager --cuda-graph-sizes``) and "KV cache and scheduler" (``--max-num-seqs
+    --dtype --random-weights --seed --threads --enforce-eager --cuda-graph-sizes
+    --tensor-parallel-size``) and "KV cache and scheduler" (``--max-num-seqs
     --max-num-batched-tokens --max-model-len --kv-memory (alias --memory-bytes) |
     --gpu-memory-utilization --block-size --page-size-bytes --layout --driver --attention-impl
     --lookahead-tokens --[no-]preallocate --kv-reserve --kv-shrink-grace-s --[no-]enable-prefix-caching
@@ -139,6 +140,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op CPU threads (default: torch's own; 1 is fastest on a busy machine)")
     add_graph_args(g)
+    add_parallel_args(g)
 
     g = parser.add_argument_group("KV cache and scheduler")
     g.add_argument("--max-num-seqs", type=int, default=sc.max_num_seqs,
@@ -177,6 +179,14 @@ def add_graph_args(g) -> None:
                    help="decode batch sizes to capture (default: 1 2 4 8 16 ... up to --max-num-seqs)")
 
 
+def add_parallel_args(g) -> None:
+    """``--tensor-parallel-size`` / ``-tp`` (vLLM's name; serve, generate, compare engine)."""
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int,
+                   default=EngineConfig().tensor_parallel_size, metavar="N",
+                   help="split the model over N ranks, one process each (gloo on CPU, NCCL on GPUs "
+                        "index..index+N-1 of --device); runs eagerly (default: %(default)s)")
+
+
 def add_backend_option_args(g, page_size_flag: str, attention_note: str) -> None:
     """The backend-option flags of ``serve``/``generate`` and ``compare engine``, once: choices, help
     and defaults from the backends' options classes (``page_size_flag``: the flag name of
@@ -205,7 +215,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=args.model, kv_backend=args.backend, device=args.device, dtype=args.dtype,
         seed=args.seed, random_weights=args.random_weights, enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes, max_num_seqs=args.max_num_seqs,
+        cuda_graph_sizes=args.cuda_graph_sizes, tensor_parallel_size=args.tensor_parallel_size,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,

@@ -198,6 +198,10 @@ class EngineConfig:
             1, 2, 4 and every multiple of 8 up to ``max_num_seqs`` (and ``max_num_seqs`` itself).
             A decode step of ``B`` sequences replays the smallest captured size ``>= B``; larger
             steps run eagerly.
+        tensor_parallel_size: ranks the model is split over (vLLM's ``--tensor-parallel-size``): one
+            process per rank (rank 0 is this one), the heads, intermediate size and vocabulary
+            sharded, each rank's KV cache holding ``num_kv_heads / N`` heads; gloo on CPU, NCCL on
+            CUDA (GPUs ``index .. index + N - 1`` of ``device``).  Steps then run eagerly.
     Raises:
         ValueError: a field is out of range.
     """
@@ -211,8 +215,10 @@ class EngineConfig:
     random_weights: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _positive_int("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"EngineConfig.enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.cuda_graph_sizes is not None:
@@ -244,7 +250,7 @@ class EngineConfig:
         """
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)} - {"backend"}
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        engine_fields = {"seed", "random_weights", "enforce_eager", "cuda_graph_sizes"}
+        engine_fields = {"seed", "random_weights", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size"}
         unknown = set(knobs) - cache_fields - sched_fields - engine_fields
         if unknown:
             valid = sorted(cache_fields | sched_fields | engine_fields)

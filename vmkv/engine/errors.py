@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["RequestFailedError", "is_fatal_error", "check_device", "POISONING_MARKERS"]
+__all__ = ["RequestFailedError", "FatalEngineError", "is_fatal_error", "check_device", "POISONING_MARKERS"]
 
 #: substrings (matched case-insensitively) of the messages of CUDA errors that poison the context:
 #: the CUDA runtime's texts as torch prints them ("CUDA error: an illegal memory access was
@@ -50,11 +50,16 @@ class RequestFailedError(RuntimeError):
         super().__init__(message)
 
 
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on (e.g. a tensor-parallel worker process failed or died: the ranks can no
+    longer run a step together).  Always fatal (:func:`is_fatal_error`)."""
+
+
 def is_fatal_error(exc: BaseException) -> bool:
     """Whether ``exc`` must stop the engine instead of failing only the requests concerned.
 
     Fatal: anything that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``); a
-    ``torch.AcceleratorError`` (torch raises it for CUDA runtime errors, after which the context's
+    :class:`FatalEngineError` (or one in the chain); a ``torch.AcceleratorError`` (torch raises it for CUDA runtime errors, after which the context's
     state is unknown); and any exception whose message, or that of its ``__cause__`` /
     ``__context__`` chain, names a sticky CUDA error (:data:`POISONING_MARKERS`).  Everything else,
     including ``torch.OutOfMemoryError``, ``KVCacheFullError``, a ``VMMError`` such as
@@ -68,7 +73,7 @@ def is_fatal_error(exc: BaseException) -> bool:
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if accel is not None and isinstance(e, accel):
+        if isinstance(e, FatalEngineError) or (accel is not None and isinstance(e, accel)):
             return True
         text = str(e).lower()
         if any(m in text for m in POISONING_MARKERS):

@@ -44,6 +44,7 @@ from vmkv.engine.sampler import Sampler
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import Scheduler, SchedulerOutput, TimedAllocator
 from vmkv.engine.sequence import PromptTooLongError, Sequence, SequenceGroup
+from vmkv.engine.tensor_parallel import kv_cache_factory, load_engine_model
 from vmkv.kvcache import KVCache, KVCacheSpec, create_kv_cache
 from vmkv.model.loader import resolve_device, resolve_dtype
 
@@ -126,14 +127,8 @@ class LLMEngine:
         return self.requests.groups
 
     # ------------------------------------------------------------------ construction helpers
-    def _load_model(self, progress):
-        from vmkv import model as model_pkg  # noqa: PLC0415  (heavy; imported on demand)
-
-        if self.config.random_weights:
-            return model_pkg.random_model(self.config.random_weights, device=str(self.device),
-                                          dtype=self.dtype, seed=self.config.seed)
-        return model_pkg.load_model(self.config.model, device=str(self.device), dtype=self.dtype,
-                                    progress=progress)
+    def _load_model(self, progress):   # tensor_parallel_size > 1: rank 0's shard, the workers started
+        return load_engine_model(self.config, self.device, self.dtype, progress)
 
     def _build_kv_cache(self, spec: KVCacheSpec) -> tuple[KVCache, ResolvedConfig]:
         """Resolve the limits, build the KV cache once, and fit the limits to the units it holds
@@ -143,9 +138,9 @@ class LLMEngine:
         free = torch.cuda.mem_get_info(self.device)[0] if on_cuda else None
         resolved = resolve_config(self.config, self.model_config, spec, device_type=self.device.type,
                                   free_memory_bytes=free)
-        kv_cache = create_kv_cache(cc.backend, spec, max_num_seqs=resolved.max_num_seqs,
-                                   max_model_len=resolved.max_model_len,
-                                   memory_bytes=resolved.kv_memory_bytes, options=cc.backend_options())
+        kv_cache = kv_cache_factory(self.config, self.model, create_kv_cache)(   # TP: every rank's
+            cc.backend, spec, max_num_seqs=resolved.max_num_seqs, max_model_len=resolved.max_model_len,
+            memory_bytes=resolved.kv_memory_bytes, options=cc.backend_options())
         try:
             usage = kv_cache.usage()
             resolved = resolved.fit_to_capacity(usage.free_tokens, usage.capacity_bytes)

@@ -117,7 +117,9 @@ def resolve_config(config: EngineConfig, model_config, kv_spec: KVCacheSpec, *, 
         kv_spec: the model's KV shape and dtype (all byte arithmetic).
         device_type: ``"cuda"`` or ``"cpu"`` (the default of ``prefetch_tokens``).
         free_memory_bytes: free device memory after the weights are loaded (CUDA:
-            ``torch.cuda.mem_get_info``); the budget is ``gpu_memory_utilization`` of it.  ``None``:
+            ``torch.cuda.mem_get_info``); the budget is ``gpu_memory_utilization`` of it, times
+            ``tensor_parallel_size`` (each rank's GPU gives its share; ``kv_spec`` is the whole
+            model's, every rank holding ``1 / tensor_parallel_size`` of each token).  ``None``:
             :data:`~vmkv.engine.config.DEFAULT_CPU_KV_MEMORY_BYTES`.  Ignored when
             ``config.cache.memory_bytes`` is given.
     Returns:
@@ -179,6 +181,6 @@ def _kv_memory_bytes(config: EngineConfig, kv_spec: KVCacheSpec, max_model_len: 
     if free_memory_bytes is None:
         budget = DEFAULT_CPU_KV_MEMORY_BYTES
     else:
-        budget = int(free_memory_bytes * cc.gpu_memory_utilization)
+        budget = int(free_memory_bytes * cc.gpu_memory_utilization) * config.tensor_parallel_size
     most_useful = kv_spec.kv_bytes(config.scheduler.max_num_seqs * max_model_len)
     return max(1, min(budget, most_useful))

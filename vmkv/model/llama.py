@@ -10,6 +10,11 @@ Models"): pre-norm decoder layers with RMSNorm (Zhang & Sennrich 2019), rotary p
 Per step, the engine calls ``kv_cache.prepare`` once; every layer then calls
 ``kv_cache.write_kv(layer, k, v, meta)`` and ``kv_cache.attention(layer, q, meta)``.
 
+Tensor parallelism (``tp=TensorParallel(rank, size)``, :mod:`vmkv.model.parallel`): the model holds
+this rank's shard (its query and KV heads, its part of the intermediate size and of the vocabulary);
+``o_proj``/``down_proj`` and the embedding all-reduce, the LM head all-gathers the logits.  The KV
+cache then holds ``num_kv_heads / size`` heads.
+
 The small ops between the matmuls run fused (:mod:`vmkv.kernels.fused_ops`: Triton on CUDA, the torch
 references elsewhere, so the CPU path computes what the eager code did): the residual stream is carried
 through the layers the vLLM way (``hidden, residual = norm(x, residual)``: one kernel adds the sublayer
@@ -34,6 +39,7 @@ from vmkv.kernels import fused_ops
 from vmkv.kernels.fused_reference import rms_norm_ref as rms_norm
 from vmkv.kvcache.base import AttentionMetadata, KVCache
 from vmkv.model.config import ModelConfig
+from vmkv.model.parallel import SINGLE, ShardLayout, TensorParallel, check_divisible, shard_layout
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +88,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     """GQA self-attention of one layer; K/V stored in and read from the KV cache."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype, ops_impl: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype, ops_impl: str,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.ops_impl = ops_impl
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.tp = tp        # this rank's heads: num_heads / size query heads, num_kv_heads / size KV heads
+        self.num_heads, self.num_kv_heads = tp.local(config.num_heads), tp.local(config.num_kv_heads)
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = config.head_dim ** -0.5
         h = config.hidden_size
         self.qkv_proj = nn.Module()
@@ -101,7 +109,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this step's K/V.
+        """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this step's K/V (this rank's
+        KV heads); under tensor parallelism the output is all-reduced over the ranks.
 
         ``positions: int64 [num_tokens]``, ``inv_freq: float32 [head_dim // 2]`` (RoPE).  q, k and v
         stay views of the qkv output (``[num_tokens, heads, head_dim]``, token stride
@@ -115,17 +124,19 @@ class LlamaAttention(nn.Module):
         fused_ops.rotary_embedding(positions, q, k, inv_freq, impl=self.ops_impl)
         kv_cache.write_kv(self.layer_idx, k, v, meta)
         out = kv_cache.attention(self.layer_idx, q, meta, scale=self.scale)
-        return F.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.tp.row_parallel_linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, config: ModelConfig, *, device, dtype, ops_impl: str) -> None:
+    def __init__(self, config: ModelConfig, *, device, dtype, ops_impl: str,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.intermediate_size = i
+        h, i = config.hidden_size, tp.local(config.intermediate_size)
+        self.intermediate_size = i      # this rank's part of it
         self.ops_impl = ops_impl
+        self.tp = tp
         self.gate_up_proj = nn.Module()
         self.gate_up_proj.weight = _param(2 * i, h, device=device, dtype=dtype)
         self.gate_up_proj.bias = _param(2 * i, device=device, dtype=dtype) if config.mlp_bias else None
@@ -137,7 +148,7 @@ class LlamaMLP(nn.Module):
         """``x: [num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         act = fused_ops.silu_and_mul(gate_up, impl=self.ops_impl)
-        return F.linear(act, self.down_proj.weight, self.down_proj.bias)
+        return self.tp.row_parallel_linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,7 +156,8 @@ class LlamaDecoderLayer(nn.Module):
     input norm adds the previous sublayer's output into the residual, the post-attention norm adds
     the attention output, and the MLP output is left for the next layer (or the final norm) to add."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype, ops_impl: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device, dtype, ops_impl: str,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.ops_impl = ops_impl
@@ -153,8 +165,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm.weight = _param(config.hidden_size, device=device, dtype=dtype)
         self.post_attention_layernorm = nn.Module()
         self.post_attention_layernorm.weight = _param(config.hidden_size, device=device, dtype=dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, device=device, dtype=dtype, ops_impl=ops_impl)
-        self.mlp = LlamaMLP(config, device=device, dtype=dtype, ops_impl=ops_impl)
+        self.self_attn = LlamaAttention(config, layer_idx, device=device, dtype=dtype, ops_impl=ops_impl, tp=tp)
+        self.mlp = LlamaMLP(config, device=device, dtype=dtype, ops_impl=ops_impl, tp=tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 inv_freq: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -199,32 +211,39 @@ class LlamaForCausalLM(nn.Module):
         device: where parameters live; ``dtype``: their dtype (bf16 on CUDA, float32 on CPU usual).
         ops_impl: implementation of the fused small ops (:mod:`vmkv.kernels.fused_ops`): ``"auto"``
             (Triton on CUDA, the torch references elsewhere), ``"triton"`` or ``"torch"`` (tests).
+        tp: this process's rank and group (:mod:`vmkv.model.parallel`); the model then holds the
+            rank's shard of every split parameter, and its forward joins the group's collectives.
     Parameters are created uninitialized; fill them with :meth:`load_weights` or
-    :meth:`init_random_`.
+    :meth:`init_random_` (both cut this rank's shard from the full tensors).
     Raises:
-        ValueError: ``ops_impl`` is not one of ``fused_ops.IMPLS``.
+        ValueError: ``ops_impl`` is not one of ``fused_ops.IMPLS``; ``tp.size`` does not divide the
+            heads, KV heads, intermediate size or vocabulary (:func:`~vmkv.model.parallel.check_divisible`).
     """
 
     def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, ops_impl: str = "auto") -> None:
+                 dtype: torch.dtype = torch.float32, ops_impl: str = "auto",
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if ops_impl not in fused_ops.IMPLS:
             raise ValueError(f"ops_impl must be one of {fused_ops.IMPLS}, got {ops_impl!r}")
+        check_divisible(config, tp.size)
         self.config = config
         self.ops_impl = ops_impl
+        self.tp = tp
         device = torch.device(device)
+        vocab, h = tp.local(config.vocab_size), config.hidden_size     # this rank's rows of the vocabulary
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens.weight = _param(vocab, h, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, device=device, dtype=dtype, ops_impl=ops_impl)
+            LlamaDecoderLayer(config, i, device=device, dtype=dtype, ops_impl=ops_impl, tp=tp)
             for i in range(config.num_layers))
         self.norm = nn.Module()
-        self.norm.weight = _param(config.hidden_size, device=device, dtype=dtype)
+        self.norm.weight = _param(h, device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Module()
-            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+            self.lm_head.weight = _param(vocab, h, device=device, dtype=dtype)
         self.register_buffer("inv_freq", rope_inv_freq(config, device), persistent=False)
         self._loaded: set[tuple[str, int | None]] = set()
 
@@ -257,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, metadata has {meta.num_tokens}")
-        hidden, residual = F.embedding(input_ids, self.embed_tokens.weight), None
+        hidden, residual = self.tp.embedding(input_ids, self.embed_tokens.weight), None
         inv_freq = self.inv_freq
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, inv_freq, kv_cache, meta)
@@ -266,9 +285,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden: [n, hidden_size]`` -> ``float32 [n, vocab_size]`` logits."""
+        """``hidden: [n, hidden_size]`` -> ``float32 [n, vocab_size]`` logits (under tensor parallelism
+        each rank's vocabulary rows, all-gathered: every rank gets the full logits)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.tp.all_gather(F.linear(hidden, weight)).float()
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
@@ -312,12 +332,10 @@ class LlamaForCausalLM(nn.Module):
         return params[name], name, shard
 
     def _shard_rows(self, name: str, shard: int | None, total: int) -> tuple[int, int]:
+        """Rows ``[start, end)`` of this rank's fused parameter ``name`` that fused part ``shard`` fills."""
         if shard is None:
             return 0, total
-        if "qkv_proj" in name:
-            sizes = [self.config.q_size, self.config.kv_size, self.config.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
+        sizes = [self.tp.local(n) for n in shard_layout(name, self.config).parts]
         start = sum(sizes[:shard])
         return start, start + sizes[shard]
 
@@ -325,7 +343,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the
         model, casting to its dtype and device.  ``lm_head.weight`` is ignored when embeddings are
-        tied; ``rotary_emb.inv_freq`` buffers of old checkpoints are ignored.
+        tied; ``rotary_emb.inv_freq`` buffers of old checkpoints are ignored.  The tensors are the
+        full model's; under tensor parallelism each is cut to this rank's shard on the host first.
 
         Raises:
             ValueError: an unknown tensor name or a shape mismatch (names both shapes).
@@ -338,11 +357,15 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param, name, shard = self._target(hf_name, params)
             start, end = self._shard_rows(name, shard, param.shape[0])
-            expected = (end - start, *param.shape[1:])
-            if tuple(tensor.shape) != expected:
+            expected = [end - start, *param.shape[1:]]
+            layout = shard_layout(name, self.config)
+            if layout is not None:          # this tensor is one whole (fused) part, cut by rank
+                expected[layout.dim] = layout.parts[shard or 0]
+                layout = ShardLayout(layout.dim, (expected[layout.dim],))
+            if tuple(tensor.shape) != tuple(expected):
                 raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{expected} for this config")
-            param[start:end].copy_(tensor.to(device=param.device, dtype=param.dtype))
+                                 f"{tuple(expected)} for this config")
+            param[start:end].copy_(self.tp.shard(tensor, layout).to(device=param.device, dtype=param.dtype))
             self._loaded.add((name, shard))
 
     def missing_weights(self) -> list[str]:
@@ -368,19 +391,28 @@ class LlamaForCausalLM(nn.Module):
         """Fill every parameter with seeded random values that keep activations finite in bf16
         for deep models: linear weights ``N(0, 1/fan_in)``, output projections (``o_proj``,
         ``down_proj``) further scaled by ``1/sqrt(2 * num_layers)`` (GPT-2's residual scaling),
-        embeddings ``N(0, 0.02^2)`` (the usual ``initializer_range``), norms 1, biases small."""
+        embeddings ``N(0, 0.02^2)`` (the usual ``initializer_range``), norms 1, biases small.
+        Under tensor parallelism each full tensor is drawn as one process draws it and this rank's
+        shard cut from it, so every tensor-parallel size gets the same model."""
         gen = torch.Generator(device=self.device).manual_seed(int(seed))
         depth_scale = (2 * self.config.num_layers) ** -0.5
         for name, p in self.named_parameters():
+            layout = shard_layout(name, self.config) if self.tp.size > 1 else None
+            full_shape = list(p.shape)
+            if layout is not None:
+                full_shape[layout.dim] = sum(layout.parts)
+            full = p if layout is None else torch.empty(full_shape, device=p.device, dtype=p.dtype)
             if name.endswith("layernorm.weight") or name == "norm.weight":
-                p.fill_(1.0)
+                full.fill_(1.0)
             elif name.endswith(".bias"):
-                p.normal_(0.0, 0.02, generator=gen)
+                full.normal_(0.0, 0.02, generator=gen)
             elif name == "embed_tokens.weight":
-                p.normal_(0.0, 0.02, generator=gen)
+                full.normal_(0.0, 0.02, generator=gen)
             else:
-                std = p.shape[1] ** -0.5
+                std = full_shape[1] ** -0.5
                 if "o_proj" in name or "down_proj" in name:
                     std *= depth_scale
-                p.normal_(0.0, std, generator=gen)
+                full.normal_(0.0, std, generator=gen)
+            if layout is not None:
+                p.copy_(self.tp.shard(full, layout))
             self._loaded.update((name, s) for s in (None, 0, 1, 2))

@@ -16,6 +16,7 @@ import torch
 from vmkv.kvcache.base import AUTO_DTYPE, MODEL_DTYPES, torch_dtype
 from vmkv.model.config import SHAPES, ModelConfig
 from vmkv.model.llama import LlamaForCausalLM
+from vmkv.model.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 def load_model(path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                dtype: torch.dtype | str | None = None,
-               progress: ProgressFn | None = None) -> LoadedModel:
+               progress: ProgressFn | None = None, tp: TensorParallel = SINGLE) -> LoadedModel:
     """Load a Llama-family model.
 
     Args:
@@ -103,11 +104,14 @@ def load_model(path: str | os.PathLike | None = None, *, device: str | torch.dev
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``None`` picks CUDA when available.
         dtype: parameter dtype; ``None`` = bfloat16 on CUDA, float32 on CPU.
         progress: optional ``progress(stage, done, total)`` callback (for a CLI progress bar).
+        tp: this process's tensor-parallel rank: the model holds that rank's shard of the weights
+            (:mod:`vmkv.model.parallel`).
     Raises:
         FileNotFoundError: ``path`` does not exist.
         UnsupportedModelError (ValueError): an architecture other than Llama/Mistral/Qwen2 (the
             message lists the supported ones).
-        ValueError: missing or mis-shaped tensors, unreadable files.
+        ValueError: missing or mis-shaped tensors, unreadable files, a ``tp.size`` that does not
+            divide the heads, intermediate size or vocabulary.
         vmkv.model.default_model.DefaultModelError: the default model could not be fetched.
     """
     dev = resolve_device(device)
@@ -123,9 +127,9 @@ def load_model(path: str | os.PathLike | None = None, *, device: str | torch.dev
         raise FileNotFoundError(f"model path {str(p)!r} does not exist; pass a Hugging Face model "
                                 f"directory, a .gguf file, or no model for the default")
     if p.is_dir():
-        loaded = _load_hf_dir(p, dev, dt, progress)
+        loaded = _load_hf_dir(p, dev, dt, progress, tp)
     elif p.suffix.lower() == ".gguf":
-        loaded = _load_gguf(p, dev, dt, progress)
+        loaded = _load_gguf(p, dev, dt, progress, tp)
     else:
         raise ValueError(f"cannot load {str(p)!r}: expected a directory with config.json or a .gguf file")
     if name is not None:
@@ -136,19 +140,21 @@ def load_model(path: str | os.PathLike | None = None, *, device: str | torch.dev
 
 
 def random_model(shape_name: str, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | str | None = None, seed: int = 0) -> LoadedModel:
+                 dtype: torch.dtype | str | None = None, seed: int = 0,
+                 tp: TensorParallel = SINGLE) -> LoadedModel:
     """A model of a named shape (``"llama3-8b"``, ``"qwen2.5-7b"``, ``"smollm2-135m"``, ``"tiny"``)
     with seeded random weights (see :meth:`LlamaForCausalLM.init_random_`); tokenizer ``None``.
+    ``tp``: this process's tensor-parallel rank (its shard of the same weights).
 
     Raises:
-        ValueError: unknown shape name (lists the known ones).
+        ValueError: unknown shape name (lists the known ones); a ``tp.size`` the shape does not divide.
     """
     if shape_name not in SHAPES:
         raise ValueError(f"unknown random model shape {shape_name!r}; choose one of {sorted(SHAPES)}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     config = SHAPES[shape_name]
-    model = LlamaForCausalLM(config, device=dev, dtype=dt)
+    model = LlamaForCausalLM(config, device=dev, dtype=dt, tp=tp)
     model.init_random_(seed)
     return LoadedModel(model=model.eval(), config=config, tokenizer=None, name=f"random-{shape_name}",
                        source=f"random:{shape_name}")
@@ -180,14 +186,15 @@ def _iter_safetensors(files: Iterable[Path], progress: ProgressFn | None) -> Ite
             progress("weights", i + 1, len(files))
 
 
-def _load_hf_dir(d: Path, dev: torch.device, dt: torch.dtype, progress: ProgressFn | None) -> LoadedModel:
+def _load_hf_dir(d: Path, dev: torch.device, dt: torch.dtype, progress: ProgressFn | None,
+                 tp: TensorParallel) -> LoadedModel:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{str(d)!r} has no config.json; expected a Hugging Face model directory")
     gen_path = d / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     config = ModelConfig.from_hf_config(json.loads(cfg_path.read_text()), gen)
-    model = LlamaForCausalLM(config, device=dev, dtype=dt)
+    model = LlamaForCausalLM(config, device=dev, dtype=dt, tp=tp)
     model.load_weights(_iter_safetensors(_safetensors_files(d), progress))
     _check_complete(model, d)
     tokenizer = None
@@ -205,12 +212,13 @@ def _load_hf_dir(d: Path, dev: torch.device, dt: torch.dtype, progress: Progress
 
 
 # ---------------------------------------------------------------------- GGUF files
-def _load_gguf(f: Path, dev: torch.device, dt: torch.dtype, progress: ProgressFn | None) -> LoadedModel:
+def _load_gguf(f: Path, dev: torch.device, dt: torch.dtype, progress: ProgressFn | None,
+               tp: TensorParallel) -> LoadedModel:
     from vmkv.model.gguf_loader import gguf_weights, load_gguf_tokenizer, read_gguf  # noqa: PLC0415
 
     gf = read_gguf(f)
     config = gf.config()
-    model = LlamaForCausalLM(config, device=dev, dtype=dt)
+    model = LlamaForCausalLM(config, device=dev, dtype=dt, tp=tp)
     step = None if progress is None else (lambda done, total: progress("weights", done, total))
     rope_freqs = []
 

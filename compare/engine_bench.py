@@ -25,7 +25,7 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
-from vmkv.engine.args import add_backend_option_args, add_graph_args
+from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
 
@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_backend_option_args(e, "--page-size", "; given to the backends that have the option")
     e.add_argument("--no-prefix-caching", action="store_true")
     add_graph_args(e)
+    add_parallel_args(e)
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
     o.add_argument("--reference", default=None, help="results.json whose offline run defines 'x' rates")
@@ -134,7 +135,7 @@ def _knobs(args, max_model_len: int, backend: str) -> dict:
     ``backend``'s options class has."""
     knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "seed": args.seed, "enforce_eager": args.enforce_eager,
-             "cuda_graph_sizes": args.cuda_graph_sizes}
+             "cuda_graph_sizes": args.cuda_graph_sizes, "tensor_parallel_size": args.tensor_parallel_size}
     if args.model in SHAPES:
         knobs["random_weights"] = args.model
     if args.memory_gib is not None:

@@ -372,3 +372,14 @@ def test_tp2_on_two_gpus_generates_what_one_gpu_generates(backend):
             engine.close()
 
     assert run(2) == run(1)
+
+
+def test_compare_engine_passes_the_size_to_its_runs():
+    import argparse
+
+    from vmkv.compare import engine_bench
+
+    p = argparse.ArgumentParser()
+    engine_bench.add_arguments(p)
+    for flags, want in (([], 1), (["--tensor-parallel-size", "2"], 2)):
+        assert engine_bench._knobs(p.parse_args(flags), 256, "paged")["tensor_parallel_size"] == want

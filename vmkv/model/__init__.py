@@ -14,9 +14,10 @@ from vmkv.model.config import (
 )
 from vmkv.model.llama import LlamaForCausalLM
 from vmkv.model.loader import LoadedModel, load_model, random_model, resolve_device, resolve_dtype
+from vmkv.model.parallel import TensorParallel
 
 __all__ = [
     "SHAPES", "SUPPORTED_GGUF_ARCHITECTURES", "SUPPORTED_HF_MODEL_TYPES", "ModelConfig",
     "UnsupportedModelError", "LlamaForCausalLM", "LoadedModel", "load_model", "random_model",
-    "resolve_device", "resolve_dtype",
+    "resolve_device", "resolve_dtype", "TensorParallel",
 ]

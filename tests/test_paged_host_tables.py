@@ -35,7 +35,8 @@ def check_step(cache: PagedKVCache, batch: list[StepSeq]) -> None:
     (read after prepare: copy-on-write may have replaced blocks)."""
     meta = cache.prepare(batch)
     tables = [cache.block_table(e.seq_id) for e in batch]
-    width = max(len(t) for t in tables)
+    # a multiple of 16 columns, capped at max_blocks_per_seq (paged.cache._build_metadata)
+    width = min(cache.max_blocks_per_seq, -(-max(len(t) for t in tables) // 16) * 16)
     want_bt = [t + [0] * (width - len(t)) for t in tables]
     assert meta.block_tables.dtype == torch.int32
     assert meta.block_tables.tolist() == want_bt

@@ -57,9 +57,11 @@ _MAX_SAMPLES = 100_000
 
 
 class Slot:
-    """One row of the reservations.  ``units[u][r]``: page mapped at unit ``u`` of reservation ``r``."""
+    """One row of the reservations.  ``units[u][r]``: page mapped at unit ``u`` of reservation ``r``;
+    ``mapped_to``: units ``[0, mapped_to)`` are known fully mapped (set by prefetch, lowered by every
+    unmap), so a prefetch that asks for no more returns at once."""
 
-    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick")
+    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick", "mapped_to")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -68,6 +70,7 @@ class Slot:
         self.claimed = 0
         self.fence: object = None
         self.free_tick = 0
+        self.mapped_to = 0
 
     @property
     def is_free(self) -> bool:
@@ -197,6 +200,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.unmap_us.append((time.perf_counter_ns() - t0) / 1e3)
         self.num_unmaps += 1
         pages[res] = None
+        slot.mapped_to = min(slot.mapped_to, unit)
         if all(p is None for p in pages):
             del slot.units[unit]
         if self.table.remove_mapping(page, slot.index, self._is_claimed(slot, unit)) == 0:

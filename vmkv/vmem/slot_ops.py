@@ -294,6 +294,8 @@ class SlotOpsMixin:
         Returns:
             The number of pages mapped.
         """
+        if num_units <= max(slot.mapped_to, slot.claimed):
+            return 0                      # mapped by an earlier prefetch (no unmap since)
         budget = self.pool.num_plain_available
         end = slot.claimed
         for u in range(slot.claimed, min(num_units, self.layout.pages_per_slot)):
@@ -306,5 +308,6 @@ class SlotOpsMixin:
             budget -= holes
             end = u + 1
         mapped = self._fill_holes(slot, range(slot.claimed, end), reuse=False)
+        slot.mapped_to = max(slot.mapped_to, end)
         self.num_prefetched_pages += mapped
         return mapped

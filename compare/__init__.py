@@ -5,6 +5,10 @@ Modules: ``workloads`` (seeded requests), ``metrics`` (TTFT/TPOT/ITL/E2E, throug
 ``vmkv compare alloc``), ``engine_bench`` + ``engine_worker`` + ``engine_report`` (the engine on both
 backends, one fresh process each, ``vmkv compare engine``), ``bench_cli`` (``vmkv bench serve``, a load
 client for OpenAI-compatible servers), ``report`` (environment, JSON, tables, markdown, plots),
-``kernel_bench`` (kernel microbenchmarks, ``vmkv compare kernels``), ``cli`` (the dispatcher).
+``kernel_bench`` + ``kernel_bench_peers`` (kernel microbenchmarks with FlashInfer as an optional peer,
+``vmkv compare kernels``), ``step_bench`` + ``step_worker`` (decode step vs its bandwidth floor,
+``vmkv compare step``), ``worker_proc`` (one fresh process per worker run), ``colocate`` (two servers on one
+GPU, ``vmkv compare colocate``), ``alloc_peers`` (vmem vs vAttention and kvcached page mapping, run as
+``python -m vmkv.compare.alloc_peers``), ``cli`` (the dispatcher).
 Nothing here imports torch.cuda or the engine at import time.
 """

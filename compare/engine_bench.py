@@ -16,15 +16,14 @@ import argparse
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
+from vmkv.compare.worker_proc import run_worker_process
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
+
 from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
@@ -163,43 +162,18 @@ def _default_max_model_len(spec: WorkloadSpec) -> int:
 def _run_worker(cfg: dict, out_dir: Path, prog, task, timeout_s: float, threads: int | None) -> dict:
     name = f"{cfg['scenario']}-{cfg['backend']}"
     raw = out_dir / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
     if (raw / f"{name}.json").exists():  # the same backend listed twice (an A/A check)
         name += f"-{sum(1 for _ in raw.glob(name + '*.config.json'))}"
-    cfg_path, res_path, log_path = raw / f"{name}.config.json", raw / f"{name}.json", raw / f"{name}.log"
-    report.write_json(cfg_path, cfg)
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "vmkv.compare.engine_worker", str(cfg_path), str(res_path)]
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        try:
-            for line in proc.stdout:
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if ev.get("event") == "loaded":
-                    prog.update(task, total=ev["total"], completed=0,
-                                description=f"{name} (loaded in {ev['load_s']:.1f}s)")
-                elif ev.get("event") == "progress":
-                    prog.update(task, completed=ev["done"])
-                if time.perf_counter() - t0 > timeout_s:
-                    raise subprocess.TimeoutExpired(cmd, timeout_s)
-            proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            return {"backend": cfg["backend"], "scenario": cfg["scenario"], "error": f"timed out after {timeout_s} s"}
-    if proc.returncode != 0 or not res_path.exists():
-        tail = log_path.read_text().strip().splitlines()[-15:]
-        return {"backend": cfg["backend"], "scenario": cfg["scenario"],
-                "error": f"worker exited with {proc.returncode}: " + "\n".join(tail)}
-    result = json.loads(res_path.read_text())
-    result["raw_file"] = str(res_path.relative_to(out_dir))
-    return result
+
+    def on_event(ev: dict) -> None:
+        if ev.get("event") == "loaded":
+            prog.update(task, total=ev["total"], completed=0,
+                        description=f"{name} (loaded in {ev['load_s']:.1f}s)")
+        elif ev.get("event") == "progress":
+            prog.update(task, completed=ev["done"])
+
+    return run_worker_process("vmkv.compare.engine_worker", cfg, out_dir, name, timeout_s, threads, on_event,
+                              {"backend": cfg["backend"], "scenario": cfg["scenario"]})
 
 
 def _reference_rate(path: str | None, runs: list[dict], backend: str) -> float | None:

@@ -20,11 +20,7 @@ every backend.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +28,7 @@ from vmkv.compare import report
 from vmkv.compare.engine_bench import backend_knobs, check_backends
 from vmkv.compare.shapes import SHAPES, get_shape
 from vmkv.compare.step_worker import max_tokens_for
+from vmkv.compare.worker_proc import run_worker_process
 from vmkv.engine.args import add_backend_option_args, add_graph_args, parse_size
 from vmkv.engine.config import ENGINE_DTYPES
 from vmkv.kvcache.registry import option_backends
@@ -151,42 +148,14 @@ def _kv_dtype(args) -> str:
 
 
 def _run_worker(cfg: dict, out_dir: Path, timeout_s: float, threads: int | None, say) -> dict:
-    raw = out_dir / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    name = f"step-{cfg['backend']}"
-    cfg_path, res_path, log_path = raw / f"{name}.config.json", raw / f"{name}.json", raw / f"{name}.log"
-    report.write_json(cfg_path, cfg)
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "vmkv.compare.step_worker", str(cfg_path), str(res_path)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        t0 = time.perf_counter()
-        try:
-            for line in proc.stdout:
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if ev.get("event") == "point":
-                    say(f"  {cfg['backend']} B={ev['batch']} L={ev['context']}: {ev['step_ms']:.2f} ms/step")
-                elif ev.get("event") == "loaded":
-                    say(f"  {cfg['backend']}: engine built in {ev['load_s']:.1f} s")
-                if time.perf_counter() - t0 > timeout_s:
-                    raise subprocess.TimeoutExpired(cmd, timeout_s)
-            proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            return {"backend": cfg["backend"], "error": f"timed out after {timeout_s} s", "points": []}
-    if proc.returncode != 0 or not res_path.exists():
-        tail = log_path.read_text().strip().splitlines()[-15:]
-        return {"backend": cfg["backend"], "points": [],
-                "error": f"worker exited with {proc.returncode}: " + "\n".join(tail)}
-    result = json.loads(res_path.read_text())
-    result["raw_file"] = str(res_path.relative_to(out_dir))
-    return result
+    def on_event(ev: dict) -> None:
+        if ev.get("event") == "point":
+            say(f"  {cfg['backend']} B={ev['batch']} L={ev['context']}: {ev['step_ms']:.2f} ms/step")
+        elif ev.get("event") == "loaded":
+            say(f"  {cfg['backend']}: engine built in {ev['load_s']:.1f} s")
+
+    return run_worker_process("vmkv.compare.step_worker", cfg, out_dir, f"step-{cfg['backend']}", timeout_s,
+                              threads, on_event, {"backend": cfg["backend"], "points": []})
 
 
 def _ratios(points: list[dict]) -> None:

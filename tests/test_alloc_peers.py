@@ -9,6 +9,7 @@ adapters make (their synchronous algorithms, reduced), to exercise the adapters'
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from vmkv.compare import alloc_peers as ap
+from vmkv.compare import alloc_vattention
 
 CFG = ap.TraceConfig(num_seqs=5, prompt_len=(3, 20), final_len=(30, 90), decode_tokens=2, admit_len=64,
                      admit_reps=3, seed=7)
@@ -245,7 +247,7 @@ def fake_peers(monkeypatch):
     monkeypatch.setitem(sys.modules, "vattention", _module(
         "vattention", **{k: getattr(vattn, k) for k in
                          ("init_kvcache", "reserve_physical_pages", "alloc_new_batch_idx", "free_batch_idx", "step")}))
-    monkeypatch.setattr(ap, "VATTN_PAGE_BYTES", 4096)
+    monkeypatch.setattr(alloc_vattention, "VATTN_PAGE_BYTES", 4096)
     alloc = lambda kvcache_shape, block_size, dtype, device, num_layers: [  # noqa: E731
         torch.zeros(kvcache_shape, dtype=dtype) for _ in range(num_layers)]
     mods = {
@@ -306,7 +308,7 @@ def test_kvcached_adapter_with_a_fake(fake_peers):
 def test_missing_peers_are_skipped_with_one_log_line(monkeypatch, caplog):
     for mod in ("vattention", "kvcached"):
         monkeypatch.delitem(sys.modules, mod, raising=False)
-    monkeypatch.setattr(ap.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with caplog.at_level(logging.INFO, logger=ap.__name__):
         results = ap.run_all(["vattention", "kvcached", "vmem"], bench(), CFG, in_process=True)
     assert [r["status"] for r in results] == ["skipped", "skipped", "ok"]

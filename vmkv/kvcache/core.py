@@ -174,14 +174,13 @@ class KVCacheCore(KVCache):
         """
         self._check_open()
         states = self.seqs.check_batch(batch)
+        self._check_padding(batch, pad_to, out)      # before anything changes
         t0 = time.perf_counter_ns()
         targets = [(s, self._units_overlapping(e.num_computed_tokens,
                                                 e.num_computed_tokens + e.num_new_tokens))
                    for e, s in zip(batch, states)]
         self._make_writable(targets, None, sum(e.num_new_tokens for e in batch))
         self._alloc_ns += time.perf_counter_ns() - t0
-        if pad_to is not None and (pad_to < len(batch) or any(e.num_new_tokens != 1 for e in batch)):
-            raise ValueError(f"pad_to={pad_to} needs a decode batch of at most {pad_to} sequences")
         meta = self._build_metadata(batch, states, pad_to, out)
         for e, s in zip(batch, states):
             if s.prefix is None or s.prefix.done:
@@ -189,6 +188,25 @@ class KVCacheCore(KVCache):
             if s.mark(e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens):
                 self._register(s)
         return meta
+
+    def _check_padding(self, batch: Sequence[StepSeq], pad_to: int | None, out: torch.Tensor | None) -> None:
+        """ValueError unless ``pad_to`` is None or an int >= the batch (all decode entries) and
+        ``out`` is None or, with ``pad_to``, a uint8 buffer of ``graph_buffer_bytes(pad_to)`` bytes or
+        more on the cache's device type."""
+        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1
+                                   or pad_to < len(batch) or any(e.num_new_tokens != 1 for e in batch)):
+            raise ValueError(f"pad_to={pad_to!r} needs a decode batch (one new token each) of at most "
+                             f"pad_to sequences; got {len(batch)} sequences")
+        if out is None:
+            return
+        if pad_to is None:
+            raise ValueError("out is the static buffer of a padded decode step (a CUDA graph's): give pad_to")
+        need = self.graph_buffer_bytes(pad_to)
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.numel() < need
+                or out.device.type != self.spec.torch_device.type):
+            raise ValueError(f"out must be a uint8 tensor of >= {need} bytes on "
+                             f"{self.spec.torch_device.type}, got {getattr(out, 'dtype', type(out).__name__)} "
+                             f"[{getattr(out, 'numel', lambda: '?')()}] on {getattr(out, 'device', '?')}")
 
     def graph_buffer_bytes(self, num_seqs: int) -> int:
         return step_layout(num_seqs, num_seqs, self._graph_table_width())[1]

@@ -1,6 +1,6 @@
-"""Breaker: ``prepare()`` called with a bad ``pad_to`` / ``out`` raises ValueError but has already
-applied copy-on-write (units allocated, ``num_cow_copies`` bumped).  The interface promises "a
-method that raises leaves the cache unchanged" (vmkv/kvcache/base.py)."""
+"""``prepare()`` called with a bad ``pad_to`` / ``out`` raises ValueError before it changes anything
+(copy-on-write included): the interface promises "a method that raises leaves the cache unchanged"
+(vmkv/kvcache/base.py).  Found by an adversarial pass: the checks used to run after copy-on-write."""
 
 from __future__ import annotations
 

@@ -134,6 +134,7 @@ def _knobs(args, max_model_len: int, backend: str) -> dict:
     ``backend``'s options class has."""
     knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "seed": args.seed, "enforce_eager": args.enforce_eager,
+             "async_scheduling": args.async_scheduling,
              "cuda_graph_sizes": args.cuda_graph_sizes, "tensor_parallel_size": args.tensor_parallel_size}
     if args.model in SHAPES:
         knobs["random_weights"] = args.model

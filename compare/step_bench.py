@@ -128,7 +128,7 @@ def plan(args) -> dict:
     for backend in backends:
         k = {"max_num_seqs": max(batches), "max_num_batched_tokens": budget, "max_model_len": max_model_len,
              "seed": args.seed, "random_weights": args.model, "memory_bytes": memory_bytes,
-             "enforce_eager": args.enforce_eager,
+             "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
              "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None}
         k.update({o: v for o, v in backend_knobs(args).items() if backend in option_backends(o)})
         knobs[backend] = k

@@ -26,6 +26,7 @@ ENGINE_FLAGS = [
     "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa", "--lookahead-tokens", "32",
     "--preallocate", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
     "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5", "--enforce-eager", "--cuda-graph-sizes", "2", "1",
+    "--async-scheduling",
     "--tensor-parallel-size", "2",
 ]
 EXPECTED_KWARGS = dict(
@@ -35,6 +36,7 @@ EXPECTED_KWARGS = dict(
     page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
     lookahead_tokens=32, preallocate=True, enable_prefix_caching=False, enable_chunked_prefill=False,
     kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5, enforce_eager=True, cuda_graph_sizes=[2, 1],
+    async_scheduling=True,
     tensor_parallel_size=2,
 )
 
@@ -79,7 +81,7 @@ def test_defaults_come_from_the_configs():
     assert kw == dict(
         model=ec.model, kv_backend=cc.backend, device=ec.device, dtype=ec.dtype, seed=ec.seed,
         random_weights=ec.random_weights, enforce_eager=ec.enforce_eager,
-        cuda_graph_sizes=ec.cuda_graph_sizes, tensor_parallel_size=ec.tensor_parallel_size,
+        cuda_graph_sizes=ec.cuda_graph_sizes, async_scheduling=ec.async_scheduling, tensor_parallel_size=ec.tensor_parallel_size,
         max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
         memory_bytes=cc.memory_bytes, gpu_memory_utilization=cc.gpu_memory_utilization,

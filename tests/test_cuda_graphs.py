@@ -57,13 +57,14 @@ BACKENDS = {
 }
 
 
-def _generate(backend: str, opts: dict, enforce_eager: bool, watch=None):
+def _generate(backend: str, opts: dict, enforce_eager: bool, watch=None, async_scheduling: bool = False):
     """Greedy outputs of 7 requests whose lengths make the decode batch shrink 7 -> 1 (buckets 8, 4,
     2, 1) on a float32 smollm2-135m-shaped random model (vmem megacache: ~45 tokens per 2 MiB page,
     so every sequence crosses pages while decode replays)."""
     cfg = EngineConfig.from_args(None, backend, "cuda", "float32", random_weights="smollm2-135m",
                                  max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
-                                 enforce_eager=enforce_eager, seed=5, **opts)
+                                 enforce_eager=enforce_eager, seed=5, async_scheduling=async_scheduling,
+                                 **opts)
     engine = LLMEngine(cfg)
     gen = torch.Generator().manual_seed(11)
     vocab = engine.model_config.vocab_size
@@ -119,3 +120,14 @@ def test_graph_replay_bf16_runs_and_frees():
     assert engine.get_stats().num_cuda_graph_steps_total > 0
     assert engine.kv_cache.usage().used_tokens == 0
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["paged", "vmem-megacache"])
+def test_async_scheduling_with_graphs_matches_eager(name):
+    """Steps launched ahead replay the graphs with the previous step's tokens fed on the device."""
+    backend, opts = BACKENDS[name]
+    eager, _, _ = _generate(backend, opts, enforce_eager=True)
+    got, stats, _ = _generate(backend, opts, enforce_eager=False, async_scheduling=True)
+    assert stats.num_ahead_steps_total > 0 and stats.num_cuda_graph_steps_total > 0
+    assert got == eager

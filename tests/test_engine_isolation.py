@@ -93,14 +93,14 @@ def test_sampling_failure_fails_only_that_request(tiny, backend):
     """The batched sample raises because of one row; each request is then sampled alone and only
     the one whose rows raise fails."""
     engine = make_engine(tiny, backend)
-    real = engine.sampler.sample
+    real = engine.sampler.sample_device
 
     def sample(logits, rows):
         if any(r.temperature == 0.77 for r in rows):
             raise RuntimeError("injected sampling failure")
         return real(logits, rows)
 
-    engine.sampler.sample = sample
+    engine.sampler.sample_device = sample
     prompts = random_prompts(len(tiny["tokenizer"]), [20, 24, 28], seed=21)
     refs = {}
     for rid, p in zip(("ok0", "bad", "ok1"), prompts):

@@ -399,7 +399,9 @@ def test_engine_prefetch_takes_maps_off_the_critical_path():
     # both back the next positions and map the next admissions while the forward runs
     assert st0.prefetch_time_s_total > 0 and st8.prefetch_time_s_total > 0
     assert vs8["num_prefetched_pages"] > vs0["num_prefetched_pages"]
-    assert vs8["prefetch_time_us"] == pytest.approx(st8.prefetch_time_s_total * 1e6, rel=0.5)
+    # the cache's own prefetch time is part of the runner's off-critical-path time (which also
+    # holds the extends of the next positions)
+    assert 0 < vs8["prefetch_time_us"] <= st8.prefetch_time_s_total * 1e6
     # the same pages got mapped, but most of them before the extend that needed them
     assert vs8["num_maps"] >= vs0["num_maps"]
     assert vs8["num_maps"] - vs8["num_prefetched_pages"] < vs0["num_maps"] / 2

@@ -171,12 +171,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_graph_args(g) -> None:
-    """``--enforce-eager`` and ``--cuda-graph-sizes`` (vLLM's names; serve, generate, compare engine)."""
+    """``--enforce-eager``, ``--cuda-graph-sizes`` and ``--async-scheduling`` (vLLM's names; serve,
+    generate, compare engine, compare step)."""
     g.add_argument("--enforce-eager", action="store_true", default=EngineConfig().enforce_eager,
                    help="never capture CUDA graphs; run every step eagerly (default: decode steps "
                         "replay graphs captured at start-up on CUDA)")
     g.add_argument("--cuda-graph-sizes", type=positive_int, nargs="+", default=None, metavar="B",
                    help="decode batch sizes to capture (default: 1 2 4 8 16 ... up to --max-num-seqs)")
+    g.add_argument("--async-scheduling", action="store_true", default=EngineConfig().async_scheduling,
+                   help="launch the next decode step before this one's tokens reach the host (host work "
+                        "overlaps the device; outputs one step later)")
 
 
 def add_parallel_args(g) -> None:
@@ -215,7 +219,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=args.model, kv_backend=args.backend, device=args.device, dtype=args.dtype,
         seed=args.seed, random_weights=args.random_weights, enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes, tensor_parallel_size=args.tensor_parallel_size,
+        cuda_graph_sizes=args.cuda_graph_sizes, async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,

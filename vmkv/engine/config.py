@@ -198,6 +198,9 @@ class EngineConfig:
             1, 2, 4 and every multiple of 8 up to ``max_num_seqs`` (and ``max_num_seqs`` itself).
             A decode step of ``B`` sequences replays the smallest captured size ``>= B``; larger
             steps run eagerly.
+        async_scheduling: launch the next decode step before this one's sampled tokens reach the host
+            (vLLM's ``--async-scheduling``; :mod:`vmkv.engine.async_scheduling`): host work overlaps
+            the device; outputs arrive one step later.
         tensor_parallel_size: ranks the model is split over (vLLM's ``--tensor-parallel-size``): one
             process per rank (rank 0 is this one), the heads, intermediate size and vocabulary
             sharded, each rank's KV cache holding ``num_kv_heads / N`` heads; gloo on CPU, NCCL on
@@ -215,12 +218,14 @@ class EngineConfig:
     random_weights: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    async_scheduling: bool = False
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size)
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"EngineConfig.enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if (not isinstance(sizes, (tuple, list)) or not sizes
@@ -250,7 +255,8 @@ class EngineConfig:
         """
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)} - {"backend"}
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        engine_fields = {"seed", "random_weights", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size"}
+        engine_fields = {"seed", "random_weights", "enforce_eager", "cuda_graph_sizes", "async_scheduling",
+                         "tensor_parallel_size"}
         unknown = set(knobs) - cache_fields - sched_fields - engine_fields
         if unknown:
             valid = sorted(cache_fields | sched_fields | engine_fields)

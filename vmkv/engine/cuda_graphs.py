@@ -145,11 +145,13 @@ class CUDAGraphRunner:
             return None
         return next(b for b in self.sizes if b >= n)
 
-    def run(self, batch: Sequence[StepSeq], input_ids: Sequence[int], size: int) -> torch.Tensor:
+    def run(self, batch: Sequence[StepSeq], input_ids: Sequence[int] | torch.Tensor,
+            size: int) -> torch.Tensor:
         """Replay the graph of ``size`` for a decode ``batch`` (from :meth:`size_for`).
 
         Args:
-            input_ids: the step's token ids, one per sequence, in batch order.
+            input_ids: the step's token ids, one per sequence, in batch order (host ints, or an
+                ``int64`` device tensor: the previous step's sampled tokens).
         Returns:
             ``float32 [len(batch), vocab]`` logits: a view of the graph's static output, valid until
             the next replay of the same size.
@@ -159,9 +161,12 @@ class CUDAGraphRunner:
         g = self._graphs[size]
         n = len(batch)
         self.kv_cache.prepare(batch, pad_to=size, out=g.buffer)
-        host, handle = self._staging.host(8 * n)
-        host[:8 * n].view(np.int64)[:] = input_ids
-        self._staging.upload(host, handle, 8 * n, out=g.input_ids.view(torch.uint8))
+        if isinstance(input_ids, torch.Tensor):       # already on the device (scheduled ahead)
+            g.input_ids[:n].copy_(input_ids)
+        else:
+            host, handle = self._staging.host(8 * n)
+            host[:8 * n].view(np.int64)[:] = input_ids
+            self._staging.upload(host, handle, 8 * n, out=g.input_ids.view(torch.uint8))
         g.graph.replay()
         self.num_replays += 1
         return g.logits[:n]

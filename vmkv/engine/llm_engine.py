@@ -1,11 +1,13 @@
 """``LLMEngine``: continuous batching over one KV-cache backend.
 
 The engine knows only the :class:`~vmkv.kvcache.KVCache` interface; switching
-``kv_backend="paged"`` to ``"vmem"`` changes nothing else.  A step is three lines::
+``kv_backend="paged"`` to ``"vmem"`` changes nothing else.  A step is two lines::
 
-    sched = self.scheduler.schedule()        # who runs, how many tokens; KV backed
-    result = self._execute(sched)            # tensors, model forward, sampling
+    sched, result = self.steps.next()        # schedule (KV backed), model forward, sampling
     return self._update(sched, result)       # append tokens, stop checks, fork, free, outputs
+
+(:class:`~vmkv.engine.async_scheduling.StepDriver`; with ``async_scheduling`` it launches the next
+decode step before this one's tokens reach the host.)
 
 Around it: the limits (``max_model_len``, the KV budget) are decided once, before anything is
 built, by :func:`~vmkv.engine.resolved_config.resolve_config` (:attr:`LLMEngine.resolved`);
@@ -34,11 +36,12 @@ import torch
 
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.cuda_graphs import build_cuda_graphs
-from vmkv.engine.errors import check_device, is_fatal_error
+from vmkv.engine.errors import is_fatal_error
 from vmkv.engine.input_processor import InputProcessor, check_cache_salt
 from vmkv.engine.outputs import EngineStats, RequestOutput
 from vmkv.engine.request_table import RequestTable
 from vmkv.engine.resolved_config import ResolvedConfig, resolve_config
+from vmkv.engine.async_scheduling import StepDriver
 from vmkv.engine.runner import ModelRunner, StepResult
 from vmkv.engine.sampler import Sampler
 from vmkv.engine.sampling_params import SamplingParams
@@ -101,6 +104,8 @@ class LLMEngine:
                                   prefetch_tokens=r.prefetch_tokens, cuda_graphs=graphs,
                                   upcoming=self.scheduler.upcoming_admissions)
         self.requests = RequestTable(self.scheduler)
+        self.steps = StepDriver(self.scheduler, self.runner, self.requests, self.device,
+                                ahead=config.async_scheduling)
         self._next_seq_id = 0
         self._num_steps = 0
         self._step_time_s_total = 0.0
@@ -217,8 +222,7 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         try:
-            sched = self.scheduler.schedule()
-            result = self._execute(sched)
+            sched, result = self.steps.next()      # schedule + run (or the step planned ahead)
             outputs = self._update(sched, result)
             if sched.is_empty and not outputs and self.scheduler.waiting:
                 time.sleep(IDLE_WAIT_S)     # nothing could run (memory held elsewhere): no spinning
@@ -232,33 +236,6 @@ class LLMEngine:
         self._step_time_s_total += self._last_step_time_s
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> StepResult:
-        """Fail the requests the scheduler could not back, run the rest; a failed forward fails
-        the requests of the batch."""
-        for seq, exc in sched.failed:
-            self.requests.fail(seq.group, "KV allocation", exc)
-        if sched.failed:
-            sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
-        if sched.is_empty:
-            return self.runner.idle()       # nothing to run: idle KV memory may go back (vmem)
-        try:
-            result = self.runner.execute(sched)
-        except Exception as exc:
-            if is_fatal_error(exc):
-                raise
-            try:
-                check_device(self.device)       # an asynchronous kernel error surfaces here
-            except Exception as sync_exc:
-                raise sync_exc from exc
-            logger.exception("model forward failed; failing the %d request(s) of the batch",
-                             len({s.seq.group.request_id for s in sched.scheduled}))
-            for s in sched.scheduled:
-                self.requests.fail(s.seq.group, "the model forward of its batch", exc)
-            return StepResult()
-        for seq, exc in result.failed:
-            self.requests.fail(seq.group, "sampling", exc)
-        return result
-
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.perf_counter()
         touched: dict[str, SequenceGroup] = {}
@@ -270,8 +247,8 @@ class LLMEngine:
             self._max_concurrent_seqs = max(self._max_concurrent_seqs, len(self.scheduler.running))
         for s in sched.scheduled:
             group = s.seq.group
-            if group.error is not None:
-                continue                                # failed earlier in this step
+            if group.error is not None or s.seq.is_finished:
+                continue                # failed in this step, or finished while its step ran ahead
             try:     # FINAL_ONLY requests are reported when they finish (take_unreported)
                 if self._update_seq(s, result.sampled.get(s.seq.seq_id), now) and (
                         group.streams or group.is_finished):
@@ -337,9 +314,11 @@ class LLMEngine:
             num_cached_tokens_total=self.scheduler.num_cached_tokens_total,
             num_finished_total=self.requests.num_finished_total,
             num_failed_total=self.requests.num_failed_total,
-            prefetch_time_s_total=self.runner.prefetch_time_s_total, **self.runner.graph_stats())
+            prefetch_time_s_total=self.runner.prefetch_time_s_total, **self.runner.graph_stats(),
+            num_ahead_steps_total=self.steps.num_ahead_steps)
 
     def close(self) -> None:
         """Release the KV cache's memory (the engine is unusable afterwards)."""
+        self.steps.drain()
         self.kv_cache.close()
 

@@ -197,6 +197,8 @@ class EngineStats:
         num_cuda_graph_steps_total: steps replayed from a captured CUDA graph (decode only).
         cuda_graph_capture_s, cuda_graph_memory_bytes: start-up capture time and the device memory
             the graphs took (0 when eager: CPU, ``enforce_eager``, or a cache that cannot be captured).
+        num_ahead_steps_total: steps launched before the previous step's tokens reached the host
+            (``async_scheduling``).
     """
 
     num_running: int
@@ -220,3 +222,4 @@ class EngineStats:
     num_cuda_graph_steps_total: int = 0
     cuda_graph_capture_s: float = 0.0
     cuda_graph_memory_bytes: int = 0
+    num_ahead_steps_total: int = 0

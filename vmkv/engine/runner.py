@@ -30,7 +30,7 @@ from vmkv.engine.scheduler import SchedulerOutput
 from vmkv.engine.sequence import Sequence
 from vmkv.kvcache.base import KVCache, StepSeq
 
-__all__ = ["ModelRunner", "StepResult"]
+__all__ = ["ModelRunner", "PendingStep", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,31 @@ class StepResult:
 
     sampled: dict[int, list[int]] = field(default_factory=dict)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+
+
+@dataclass
+class PendingStep:
+    """A launched step (:meth:`ModelRunner.launch`) whose sampled tokens may still be on the device.
+
+    Attributes:
+        sched: the step.
+        owners / rows / row_index: the sampling rows: their sequence, parameters and logit row.
+        tokens: ``int64 [num_rows]`` sampled on the device (the next step's input ids when it is
+            scheduled ahead); host / event: their pinned host copy and the event that marks it done.
+        token_list: tokens already on the host (per-request sampling after a batched failure).
+    """
+
+    sched: SchedulerOutput
+    t0: float
+    owners: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    row_index: list = field(default_factory=list)
+    selected: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: object = None
+    token_list: list | None = None
+    result: StepResult = field(default_factory=StepResult)
 
 
 class ModelRunner:
@@ -92,76 +117,122 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.num_graph_steps = 0
         self.upcoming = upcoming
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Compute the scheduled tokens and sample where a sequence reached its last token.
+        """Compute the scheduled tokens and sample where a sequence reached its last token
+        (:meth:`launch` then :meth:`collect`).
 
         Raises:
             whatever ``prepare`` or the forward raise (batch-wide: nothing is sampled then).
+        """
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> PendingStep:
+        """Enqueue the step: prepare, the forward (a graph replay for a decode step that fits one),
+        the token-independent KV work while it runs (next positions, page prefetch, the next
+        admissions' pages, idle release), the sampling kernels and the asynchronous copy of the
+        sampled tokens to pinned host memory.  Nothing waits for the device.
+
+        Args:
+            input_ids: ``int64 [num_tokens]`` on the device: the step's token ids when they are not on
+                the host yet (a step scheduled ahead, fed the previous step's sampled tokens);
+                ``None``: read from the sequences.
+        Raises:
+            whatever ``prepare`` or the forward raise (batch-wide).
         """
         batch: list[StepSeq] = []
         ids: list[int] = []
         for s in sched.scheduled:
             batch.append(StepSeq(s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens))
-            ids.extend(s.seq.token_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+            if input_ids is None:
+                ids.extend(s.seq.token_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
         t0 = time.perf_counter()
         size = None if self.cuda_graphs is None else self.cuda_graphs.size_for(batch)
         if size is not None:
-            logits = self.cuda_graphs.run(batch, ids, size)
+            logits = self.cuda_graphs.run(batch, ids if input_ids is None else input_ids, size)
             self.num_graph_steps += 1
         else:
             meta = self.kv_cache.prepare(batch)
-            input_ids = torch.tensor(ids, dtype=torch.int64)
-            if self.device.type != "cpu":
-                input_ids = input_ids.to(self.device, non_blocking=True)
+            if input_ids is None:
+                input_ids = torch.tensor(ids, dtype=torch.int64)
+                if self.device.type != "cpu":
+                    input_ids = input_ids.to(self.device, non_blocking=True)
             logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
-        row_index: list[int] = []
-        rows: list[SamplingRow] = []
-        owners: list[Sequence] = []
+        p = PendingStep(sched, t0)
         for i, s in enumerate(sched.scheduled):
             if not s.samples:
                 continue
             group = s.seq.group
-            p = group.params
+            params = group.params
             for idx in group.sample_indices(s.seq):
-                row_index.append(i)
-                rows.append(SamplingRow(p.temperature, p.effective_top_k, p.top_p,
-                                        group.generators[idx]))
-                owners.append(s.seq)
-        if owners:
-            # the forward is enqueued, the host has not synchronized yet (sampling's .tolist()):
-            # back the position each sampling sequence writes next step, and map the pages of the
-            # steps after, while the GPU runs (off the critical path of the next step's schedule)
-            t1 = time.perf_counter()
-            seq_ids = list(dict.fromkeys(o.seq_id for o in owners))
-            # n > 1: a parent forks after this step and parent and children then share the unit
-            # they write: the schedule's extend makes it private (preempting if full), not this
-            self._extend_ahead([o.seq_id for o in dict.fromkeys(owners) if o.group.params.n == 1])
-            if self.prefetch_tokens:
-                self._prefetch(seq_ids)
-            self.prefetch_time_s_total += time.perf_counter() - t1
-        if self.upcoming is not None:
-            t1 = time.perf_counter()
-            self._prefetch(None)
-            self.prefetch_time_s_total += time.perf_counter() - t1
-        self._release_idle()      # still before the sync: idle KV pages past the grace go back
-        result = StepResult()
-        if rows:
-            sel = torch.tensor(row_index, dtype=torch.int64, device=logits.device)
-            selected = logits.index_select(0, sel)
+                p.row_index.append(i)
+                p.rows.append(SamplingRow(params.temperature, params.effective_top_k, params.top_p,
+                                          group.generators[idx]))
+                p.owners.append(s.seq)
+        self._host_kv_work(p.owners)
+        if p.rows:
+            sel = torch.tensor(p.row_index, dtype=torch.int64, device=logits.device)
+            p.selected = logits.index_select(0, sel)
             try:
-                tokens: list[int | None] = list(self.sampler.sample(selected, rows))
+                p.tokens = self.sampler.sample_device(p.selected, p.rows)
             except Exception as exc:
                 if is_fatal_error(exc):
                     raise
                 logger.warning("batched sampling failed (%r); sampling each request alone", exc)
-                tokens = self._sample_per_request(selected, rows, owners, result.failed)
-            for seq, tok in zip(owners, tokens):
-                if tok is not None:
-                    result.sampled.setdefault(seq.seq_id, []).append(tok)
+                p.token_list = self._sample_per_request(p.selected, p.rows, p.owners, p.result.failed)
+            else:
+                p.host, p.event = self._copy_to_host(p.tokens)
         self.forward_time_s_total += time.perf_counter() - t0
-        return result
+        return p
+
+    def collect(self, p: PendingStep) -> StepResult:
+        """Wait for a launched step's sampled tokens and return them per sequence."""
+        t0 = time.perf_counter()
+        tokens = p.token_list
+        if tokens is None and p.rows:
+            if p.event is not None:
+                p.event.synchronize()
+            tokens = p.host[:len(p.rows)].tolist()
+        for seq, tok in zip(p.owners, tokens or ()):
+            if tok is not None:
+                p.result.sampled.setdefault(seq.seq_id, []).append(tok)
+        self.forward_time_s_total += time.perf_counter() - t0
+        return p.result
+
+    def _host_kv_work(self, owners: list[Sequence]) -> None:
+        """While the forward runs (nothing has synchronized yet): back the position each sampling
+        sequence writes next step, map the pages of the steps after and of the next admissions,
+        and give idle KV pages past the grace back (off the critical path of the next schedule)."""
+        t1 = time.perf_counter()
+        if owners:
+            # n > 1: a parent forks after this step and parent and children then share the unit
+            # they write: the schedule's extend makes it private (preempting if full), not this
+            self._extend_ahead([o.seq_id for o in dict.fromkeys(owners) if o.group.params.n == 1])
+            if self.prefetch_tokens:
+                self._prefetch(list(dict.fromkeys(o.seq_id for o in owners)))
+        if self.upcoming is not None:
+            self._prefetch(None)
+        self.prefetch_time_s_total += time.perf_counter() - t1
+        self._release_idle()
+
+    def _copy_to_host(self, tokens: torch.Tensor):
+        """``(host int64 tensor, event or None)``: an asynchronous copy into one of two pinned
+        buffers on CUDA (a step's buffer is read before the step after next reuses it), the tensor
+        itself elsewhere."""
+        if tokens.device.type != "cuda":
+            return tokens, None
+        self._turn ^= 1
+        buf = self._pinned[self._turn]
+        if buf is None or buf.numel() < tokens.numel():
+            buf = self._pinned[self._turn] = torch.empty(max(256, tokens.numel()), dtype=torch.int64,
+                                                         pin_memory=True)
+        buf[:tokens.numel()].copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return buf, event
 
     def graph_stats(self) -> dict:
         """``EngineStats`` fields of the CUDA graphs: replayed steps, capture time and memory."""
@@ -226,7 +297,8 @@ class ModelRunner:
             seq = owners[idx[0]]
             try:
                 sel = torch.tensor(idx, dtype=torch.int64, device=logits.device)
-                got = self.sampler.sample(logits.index_select(0, sel), [rows[i] for i in idx])
+                got = self.sampler.sample_device(logits.index_select(0, sel),
+                                                 [rows[i] for i in idx]).tolist()
             except Exception as exc:
                 if is_fatal_error(exc):
                     raise

@@ -123,14 +123,19 @@ class Sampler:
         Raises:
             ValueError: ``len(rows)`` differs from the number of logit rows.
         """
+        return self.sample_device(logits, rows).tolist()
+
+    def sample_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """:meth:`sample` without the copy to the host: ``int64 [num_rows]`` on ``logits.device``
+        (the engine copies it asynchronously, or feeds it to the next step as its input ids)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
         if not rows:
-            return []
+            return torch.zeros(0, dtype=torch.int64, device=logits.device)
         greedy = [r.is_greedy for r in rows]
         argmax = logits.argmax(dim=-1)
         if all(greedy):
-            return argmax.tolist()
+            return argmax
         probs = self.probabilities(logits, rows)
         noise = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None and not r.is_greedy]
@@ -146,4 +151,4 @@ class Sampler:
                 noise[i].fill_(1.0)
         sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
         mask = torch.tensor(greedy, device=sampled.device)
-        return torch.where(mask, argmax, sampled).tolist()
+        return torch.where(mask, argmax, sampled)

@@ -51,11 +51,12 @@ class ScheduledSeq:
     seq: Sequence
     num_computed_tokens: int
     num_new_tokens: int
+    ahead: bool = False     # scheduled before the previous step's token reached the host
 
     @property
     def samples(self) -> bool:
         """The step reaches the sequence's last token, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.ahead or self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
     @property
     def is_prefill(self) -> bool:

@@ -118,6 +118,13 @@ class Sequence:
         return self.group.generators[self.index]
 
     # ------------------------------------------------------------------ output
+    def ends_by_length_after(self, num_tokens: int, max_model_len: int) -> bool:
+        """Would ``num_tokens`` more tokens end this sequence by length (``max_tokens`` or
+        ``max_model_len``)?  Stops by token or string are not predictable and not counted."""
+        max_tokens = self.group.params.max_tokens
+        return ((max_tokens is not None and len(self.output_token_ids) + num_tokens >= max_tokens)
+                or self.num_tokens + num_tokens >= max_model_len)
+
     def append_token(self, token_id: int, eos_token_ids: Seq[int], max_model_len: int) -> None:
         """Add a sampled token; detokenize it and apply the stop conditions (vLLM order: EOS,
         stop token ids, length; a stop string found in the new text overrides ``length``)."""

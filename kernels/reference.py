@@ -18,8 +18,12 @@ def write_kv_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Te
     Args:
         key_cache, value_cache: ``[dim0, dim1, H, D]`` views (any strides), cache dtype.
         k, v: ``[num_tokens, H, D]``.
-        slot_mapping: ``int64 [num_tokens]``, flat index ``index0 * dim1 + index1``.
+        slot_mapping: ``int64 [num_tokens]``, flat index ``index0 * dim1 + index1``; negative entries
+            are padding rows and write nothing (as in the Triton kernel).
     """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     dim1 = key_cache.shape[1]
     i0 = torch.div(slot_mapping, dim1, rounding_mode="floor")
     i1 = slot_mapping - i0 * dim1

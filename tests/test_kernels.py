@@ -440,3 +440,13 @@ def test_native_long_context_gqa4(layout):
                       scale=128 ** -0.5, out=outp, **cache.kwargs())
     _assert_matches(outp, cache.reference(qp, query_lens, 128 ** -0.5), torch.bfloat16)
     assert math.isfinite(outp.float().abs().max().item())
+
+
+def test_reference_write_kv_skips_padding_rows():
+    """The torch reference honours the kernels' padding contract: slot -1 writes nothing (it used to
+    wrap around to the last entry)."""
+    kc, vc = torch.zeros(3, 4, 1, 2), torch.zeros(3, 4, 1, 2)
+    k = torch.arange(6.0).view(3, 1, 2) + 1
+    ref.write_kv_ref(kc, vc, k, -k, torch.tensor([5, -1, 0]))
+    assert kc[1, 1].tolist() == [[1.0, 2.0]] and kc[0, 0].tolist() == [[5.0, 6.0]]
+    assert int((kc != 0).any(-1).sum()) == 2 and kc[2, 3].abs().sum() == 0

@@ -190,9 +190,13 @@ class KVCacheCore(KVCache):
         return meta
 
     def _check_padding(self, batch: Sequence[StepSeq], pad_to: int | None, out: torch.Tensor | None) -> None:
-        """ValueError unless ``pad_to`` is None or an int >= the batch (all decode entries) and
-        ``out`` is None or, with ``pad_to``, a uint8 buffer of ``graph_buffer_bytes(pad_to)`` bytes or
-        more on the cache's device type."""
+        """ValueError unless ``pad_to`` and ``out`` are None, or the cache can be captured
+        (``supports_cuda_graphs``), ``pad_to`` is an int >= the batch (all decode entries) and ``out``
+        is None or, with ``pad_to``, a uint8 buffer of ``graph_buffer_bytes(pad_to)`` bytes or more on
+        the cache's device type."""
+        if (pad_to is not None or out is not None) and not self.supports_cuda_graphs:
+            raise ValueError(f"pad_to/out lay a decode step out for a CUDA graph; this {self.backend} "
+                             f"cache cannot be captured (supports_cuda_graphs is False: CPU, or a non-Triton path)")
         if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1
                                    or pad_to < len(batch) or any(e.num_new_tokens != 1 for e in batch)):
             raise ValueError(f"pad_to={pad_to!r} needs a decode batch (one new token each) of at most "

@@ -1,9 +1,7 @@
-"""Breaker: ``prepare(batch, pad_to=..., out=...)`` is accepted on a cache that cannot run CUDA graphs
-(CPU, ``supports_cuda_graphs`` False), and the CPU (torch reference) ``write_kv`` does not honour the
-padding rows' slot -1 ("padding rows read and write nothing"): ``slot_mapping == -1`` wraps around to
-the LAST block / slot.  paged: silently overwrites the last position of the pool's last block (another
-sequence's KV); vmem (host driver): the process dies with SIGSEGV.  Expected: either refuse ``pad_to``
-where graphs are unsupported, or mask slot -1 in the reference write."""
+"""Padding rows (slot -1) write nothing on any path, and ``prepare(pad_to=, out=)`` is refused by a
+cache that cannot be captured in CUDA graphs (CPU).  Found by an adversarial pass: the torch reference
+``write_kv`` read slot -1 as "the last entry" (paged overwrote another sequence's KV; vmem on the host
+driver crashed with SIGSEGV) and CPU caches accepted ``pad_to``."""
 
 from __future__ import annotations
 

@@ -290,6 +290,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             batch.append(StepSeq(sid, c, n))
         self.run_step(batch)
 
+    @rule(data=st.data())
+    def prefetch_admission(self, data) -> None:
+        """The hint of the next admissions (earlier prompts: prefix hits): changes no sequence and no
+        usage figure but the mapped bytes; later hits still hold what was written (allocate checks)."""
+        prompts = data.draw(st.lists(st.sampled_from(self.prompts_seen), max_size=3), label="upcoming") \
+            if self.prompts_seen else []
+        before = self.cache.usage()
+        lens = {sid: self.cache.seq_len(sid) for sid in self.seqs}
+        self.cache.prefetch_admission([len(p) for p in prompts], [list(p) for p in prompts],
+                                      [None] * len(prompts))
+        after = self.cache.usage()
+        assert {sid: self.cache.seq_len(sid) for sid in self.seqs} == lens
+        assert (after.used_tokens, after.allocated_bytes, after.prefix_query_tokens) == \
+            (before.used_tokens, before.allocated_bytes, before.prefix_query_tokens)
+
     @precondition(lambda self: self.case.backend == "vmem" and self.cache.mapper.num_idle_pages() > 1)
     @rule()
     def release_idle(self) -> None:

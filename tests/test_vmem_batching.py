@@ -164,6 +164,10 @@ def _random_ops(c, seed, prefetch=False):
         if prefetch and tokens:
             lens = {s: c.seq_len(s) for s in tokens}
             c.prefetch(rng.sample(list(tokens), rng.randint(1, len(tokens))), rng.randint(0, 2 * ut))
+            # the next admissions' pages, prefix hits included (a prompt of a cached prefix + a tail)
+            upcoming = [rng.choice(prefixes)[:rng.randint(1, 3 * ut)] + [rng.randrange(50)]
+                        for _ in range(rng.randint(1, 3))]
+            c.prefetch_admission([len(t) for t in upcoming], upcoming, [None] * len(upcoming))
             assert {s: c.seq_len(s) for s in tokens} == lens
         c.check_integrity()
     return tokens
@@ -364,6 +368,32 @@ def test_prefetch_admission_maps_the_next_admissions_off_the_critical_path(make,
     c.check_integrity()
     assert c.usage().used_tokens == 5 * ut - 1
     assert c.vmm_stats()["num_prefetched_pages"] >= 4 * ppu
+
+
+def test_prefetch_admission_maps_prefix_hits_into_the_slot(make, layout):
+    """A waiting prompt that shares a cached prefix: its hit pages and its other pages are mapped
+    into the slot ``allocate`` then picks, so the admission makes no driver call and still shares
+    the prefix; the lookup counts no statistic."""
+    from vmkv.kvcache.base import StepSeq
+
+    c, drv = make(num_units=16, max_num_seqs=4)
+    ut = UT[layout]
+    prompt = [7 + i % 50 for i in range(3 * ut + 2)]
+    c.allocate(1, len(prompt), prompt)
+    c.prepare([StepSeq(1, 0, len(prompt))])             # written: its 3 full units get registered
+    other = prompt[:3 * ut] + [99, 98, 97]
+    q0 = c.usage().prefix_query_tokens
+    drv.reset()
+    c.prefetch_admission([len(other)], [other], [None])
+    assert drv.maps and c.usage().prefix_query_tokens == q0   # mapped ahead, nothing counted
+    c.check_integrity()
+    drv.reset()
+    assert c.allocate(2, len(other), other) == 3 * ut           # the prefix is shared ...
+    assert drv.maps == [] and drv.accesses == []                # ... and nothing was mapped now
+    c.check_integrity()
+    c.free(1)
+    c.free(2)
+    c.check_integrity()
 
 
 # ---------------------------------------------------------------------- engine

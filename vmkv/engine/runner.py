@@ -88,8 +88,9 @@ class ModelRunner:
             sequences that sample (0: no prefetch).
         cuda_graphs: a captured :class:`~vmkv.engine.cuda_graphs.CUDAGraphRunner`: decode steps it
             fits are replayed (prepare into its static buffer, one replay); ``None``: all eager.
-        upcoming: ``() -> prompt lengths`` of the next admissions (the scheduler's
-            ``upcoming_admissions``), passed to ``kv_cache.prefetch_admission`` while the forward runs.
+        upcoming: ``() -> waiting sequences`` the next step admits first (the scheduler's
+            ``upcoming_admissions``); their lengths, token ids and cache salts go to
+            ``kv_cache.prefetch_admission`` while the forward runs.
 
     Attributes:
         forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
@@ -275,9 +276,11 @@ class ModelRunner:
         admissions; hints: a failure is logged and ignored."""
         try:
             if seq_ids is None:
-                lengths = self.upcoming()
-                if lengths:
-                    self.kv_cache.prefetch_admission(lengths)
+                seqs = self.upcoming()
+                if seqs:
+                    self.kv_cache.prefetch_admission([q.num_tokens for q in seqs],
+                                                     [q.all_token_ids() for q in seqs],
+                                                     [q.group.cache_salt for q in seqs])
             else:
                 self.kv_cache.prefetch(seq_ids, self.prefetch_tokens)
         except Exception as exc:

@@ -156,14 +156,14 @@ class Scheduler:
         """Running sequences plus the forks their requests will still make."""
         return sum(s.group.num_seats(s) for s in self.running)
 
-    def upcoming_admissions(self) -> list[int]:
-        """Prompt lengths of the waiting sequences the next step would admit first (within the token
-        budget and the free seats): ``kv_cache.prefetch_admission``'s hint."""
+    def upcoming_admissions(self) -> list[Sequence]:
+        """The waiting sequences the next step would admit first (within the token budget and the
+        free seats): ``kv_cache.prefetch_admission``'s hint."""
         out, budget = [], self.config.max_num_batched_tokens
         for seq in itertools.islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))):
             if budget <= 0:
                 break
-            out.append(seq.num_tokens)
+            out.append(seq)
             budget -= seq.num_tokens
         return out
 

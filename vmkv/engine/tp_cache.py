@@ -116,10 +116,12 @@ class ReplicatedKVCache(KVCache):
         self.inner.prefetch(seq_ids, num_tokens)
         self._record("prefetch", (seq_ids, num_tokens))
 
-    def prefetch_admission(self, num_tokens: Sequence[int]) -> None:
-        num_tokens = list(num_tokens)
-        self.inner.prefetch_admission(num_tokens)
-        self._record("prefetch_admission", (num_tokens,))
+    def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
+                           extra_keys: Sequence | None = None) -> None:
+        ids = None if token_ids is None else [None if t is None else list(t) for t in token_ids]
+        args = (list(num_tokens), ids, None if extra_keys is None else list(extra_keys))
+        self.inner.prefetch_admission(*args)
+        self._record("prefetch_admission", args)
 
     def release_idle(self, now: float | None = None) -> int:
         """Rank 0's ``release_idle`` at ``now`` (resolved here, so every rank decides at the same

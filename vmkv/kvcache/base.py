@@ -147,15 +147,18 @@ class KVCache(abc.ABC):
             num_tokens: look-ahead in positions, >= 0.
         """
 
-    def prefetch_admission(self, num_tokens: Sequence[int]) -> None:
+    def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
+                           extra_keys: Sequence | None = None) -> None:
         """Hint: sequences of these prompt lengths (in order) are about to be admitted; a backend may
         prepare their KV memory now (best effort, never raises KVCacheFullError, changes no
-        sequence).  Called by the engine while a step's forward runs on the device, with the
-        waiting requests the next step would admit first.  The default does nothing (paged: its
-        static pool needs no preparation).
+        sequence and no prefix-cache statistic).  Called by the engine while a step's forward runs
+        on the device, with the waiting requests the next step would admit first.  The default does
+        nothing (paged: its static pool needs no preparation).
 
         Args:
             num_tokens: prompt lengths, each >= 1.
+            token_ids: optional, each prompt's token ids (or None), for prefix-cache lookups.
+            extra_keys: optional, each prompt's prefix-cache extra key (``allocate``'s ``extra_key``).
         """
 
     def release_idle(self, now: float | None = None) -> int:

@@ -282,10 +282,11 @@ class SlotOpsMixin:
             return
         self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
 
-    def prefetch(self, slot: Slot, num_units: int) -> int:
+    def prefetch(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]] = ()) -> int:
         """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of
         ``slot`` (live, or free: an admission expected soon, from unit 0) from free pool pages, in
-        one batch, **without claiming them**.
+        one batch, **without claiming them**; on a free slot, ``hits`` (prefix-hit pages per unit,
+        from unit 0) fill the holes of the first units instead.
 
         The pages stay kept (reclaimable, so they count as available for admission); the grow that
         later claims those units reuses them without a driver call.  Never reclaims, never waits
@@ -294,11 +295,16 @@ class SlotOpsMixin:
         Returns:
             The number of pages mapped.
         """
-        if num_units <= max(slot.mapped_to, slot.claimed):
+        mapped = 0
+        if hits:                          # a free slot: its prefix-hit pages first, where it has holes
+            assert slot.is_free, f"slot {slot.index} is live"
+            mapped = self._fill_holes(slot, range(len(hits)), given=lambda u, r: hits[u][r], reuse=False)
+        start = max(slot.claimed, len(hits))
+        if num_units <= max(slot.mapped_to, start) and not mapped:
             return 0                      # mapped by an earlier prefetch (no unmap since)
         budget = self.pool.num_plain_available
-        end = slot.claimed
-        for u in range(slot.claimed, min(num_units, self.layout.pages_per_slot)):
+        end = start
+        for u in range(start, min(num_units, self.layout.pages_per_slot)):
             pages = slot.units.get(u, ())
             if any(p is not None and self.pool.refcount(p) > 1 for p in pages):
                 break
@@ -307,7 +313,8 @@ class SlotOpsMixin:
                 break
             budget -= holes
             end = u + 1
-        mapped = self._fill_holes(slot, range(slot.claimed, end), reuse=False)
-        slot.mapped_to = max(slot.mapped_to, end)
+        mapped += self._fill_holes(slot, range(start, end), reuse=False)
+        if all(u in slot.units and None not in slot.units[u] for u in range(len(hits))):
+            slot.mapped_to = max(slot.mapped_to, end)
         self.num_prefetched_pages += mapped
         return mapped

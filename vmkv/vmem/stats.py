@@ -83,26 +83,33 @@ class VMemStatsMixin:
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 
-    def prefetch_admission(self, num_tokens: Sequence[int]) -> None:
+    def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
+                           extra_keys: Sequence | None = None) -> None:
         """Map, off the critical path, the pages of the admissions expected next (prompt lengths in
         admission order, plus the look-ahead): each gets the free slot :func:`pick_slot` would give
-        it, its holes filled from free pool pages without claiming them (:meth:`SlotMapper.prefetch`;
-        no reclaiming, no fence wait), so the ``allocate`` that follows finds them kept and makes
-        no driver call.  Best effort; never raises KVCacheFullError; time counted with
-        :meth:`prefetch`."""
+        it; its prefix-cache hits (when ``token_ids`` are given; looked up without counting) are
+        mapped into it, and its other holes filled from free pool pages, all unclaimed
+        (:meth:`SlotMapper.prefetch`; no reclaiming, no fence wait), so the ``allocate`` that follows
+        finds them in place and makes no driver call.  Best effort; never raises KVCacheFullError;
+        time counted with :meth:`prefetch`."""
         self._check_open()
         t0 = time.perf_counter_ns()
         taken: set[int] = set()
         try:
-            for n in num_tokens:
+            for i, n in enumerate(num_tokens):
                 if self.mapper.pool.num_plain_available == 0:
                     break
+                hits: list = []
+                ids = None if token_ids is None else token_ids[i]
+                if ids is not None and self.enable_prefix_caching and self.unit_tokens:
+                    extra = None if extra_keys is None else extra_keys[i]
+                    hits = [e.handles for e in self.prefix.lookup(ids, self.unit_tokens, extra).hits]
                 units = self.layout.num_units(min(self.max_model_len, int(n) + self.lookahead_tokens))
-                slot = pick_slot(self.mapper, units, [], frozenset(taken))
+                slot = pick_slot(self.mapper, units, hits, frozenset(taken))
                 if slot is None:
                     break
                 taken.add(slot.index)
-                self.mapper.prefetch(slot, units)
+                self.mapper.prefetch(slot, units, hits)
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 

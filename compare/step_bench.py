@@ -98,6 +98,11 @@ def plan(args) -> dict:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends:
         raise ValueError("--backends is empty; e.g. --backends paged,vmem")
+    if len(set(backends)) != len(backends):
+        raise ValueError(f"--backends {args.backends!r} lists a backend twice (each runs once, its raw "
+                         f"files named after it); e.g. --backends paged,vmem")
+    if not args.timeout_s > 0:
+        raise ValueError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
     check_backends(args, backends)
     if args.model not in SHAPES:
         raise ValueError(f"--model {args.model!r} is not a random-weight shape; choose one of {sorted(SHAPES)}")
@@ -158,6 +163,15 @@ def _run_worker(cfg: dict, out_dir: Path, timeout_s: float, threads: int | None,
                               threads, on_event, {"backend": cfg["backend"], "points": []})
 
 
+def _error_line(error: str) -> str:
+    """The line of an error that says what went wrong: the exception (a worker's log tail ends with
+    it), not the first line of its traceback."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0].split(':')[0]}: {lines[-1]}"
+
+
 def _ratios(points: list[dict]) -> None:
     """``vmem_over_paged_tok_s`` on each vmem point that has a paged twin."""
     paged = {(p["batch"], p["context"]): p for p in points if p["backend"] == "paged" and "step_ms" in p}
@@ -169,7 +183,7 @@ def _ratios(points: list[dict]) -> None:
 
 def _cells(p: dict) -> list[str]:
     if "error" in p:
-        return [p["backend"], str(p["batch"]), str(p["context"]), "error: " + p["error"].splitlines()[0][:60],
+        return [p["backend"], str(p["batch"]), str(p["context"]), "error: " + _error_line(p["error"])[:60],
                 "-", "-", "-", "-", "-"]
     busy = p.get("gpu_busy_pct")
     ratio = p.get("vmem_over_paged_tok_s")
@@ -187,7 +201,7 @@ def render_markdown(result: dict) -> str:
              f"device {result.get('device_name') or env.get('cpu')}", ""]
     for b, w in result["workers"].items():
         if "error" in w and not w.get("read_bandwidth"):
-            lines.append(f"- {b}: error: {w['error'].splitlines()[0]}")
+            lines.append(f"- {b}: error: {_error_line(w['error'])}")
             continue
         bw = w["read_bandwidth"]
         sizes = w["cuda_graph_sizes"] or "default"

@@ -59,7 +59,7 @@ def test_compare_step_tiny_both_backends(tmp_path):
         assert p["kv_bytes_read"] == pytest.approx(sum(kv) / len(kv) * bpt)
         assert p["floor_ms"] == pytest.approx((weight_bytes + p["kv_bytes_read"]) / p["read_bytes_per_s"] * 1e3)
         assert p["floor_over_step"] == pytest.approx(p["floor_ms"] / p["step_ms"])
-        assert p["output_tok_s"] == pytest.approx(b * steps / (sum(ms) * 1e-3))
+        assert p["output_tok_s"] == pytest.approx(b / (p["step_ms"] * 1e-3))   # at the median step
         assert p["gpu_busy_pct"] is None and p["gpu_busy"] is None      # CPU: no GPU-busy share
         assert p["max_tokens"] == max_tokens_for(b, c, 16384, 1 + steps + 5)
         if backend == "vmem":
@@ -158,3 +158,18 @@ def test_max_tokens_covers_prefill_and_every_decode_step():
     # 256 x 2048 prompt tokens at 16384 a step (256 of them decode): 33 prefill steps at most, + 2
     assert max_tokens_for(256, 2048, 16384, 28) == math.ceil(256 * 2048 / (16384 - 256)) + 2 + 28 + 2
     assert max_tokens_for(1, 16, 16384, 0) == 1 + 2 + 2
+
+
+def test_step_error_line_and_duplicate_backends():
+    """A failed worker's table row names its exception (the log tail's last line), not the first
+    traceback line; a backend listed twice and a timeout <= 0 are refused (adversarial pass)."""
+    from vmkv.compare.step_bench import _error_line
+
+    err = 'worker exited with 1: Traceback (most recent call last):\n  File "x.py", line 3\nValueError: too small'
+    assert _error_line(err) == "worker exited with 1: ValueError: too small"
+    assert _error_line("KVCacheFullError: full") == "KVCacheFullError: full"
+    from vmkv.compare.step_bench import plan
+    with pytest.raises(ValueError, match="twice"):
+        plan(_args("--backends", "paged,paged"))
+    with pytest.raises(ValueError, match="timeout"):
+        plan(_args("--timeout-s", "-5"))

@@ -329,7 +329,9 @@ class TensorParallelExecutor:
             if got is not None and got[0] == "error":
                 reports.append(f"rank {w.rank}: {got[2]}")
             elif not w.process.is_alive():
-                reports.append(f"rank {w.rank} exited with code {w.process.exitcode}")
+                reports.append(f"rank {w.rank} exited with code {w.process.exitcode} (its stderr says why; a "
+                               f"script that builds the engine at import time needs `if __name__ == "
+                               f"\"__main__\":`, since each rank's process re-imports the main module)")
         detail = ("\n" + "\n".join(reports)) if reports else ""
         return TensorParallelError(f"tensor parallelism failed: {what}{detail}")
 

@@ -450,3 +450,53 @@ def test_engine_prefetch_config():
         eng.step()
     assert eng.runner.prefetch_tokens == 8 and eng.get_stats().prefetch_time_s_total >= 0
     eng.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pick_slot_equals_the_exhaustive_choice(make, layout, seed):
+    """pick_slot's bounded search (candidates in the order of a lower bound, stopped once the bound
+    exceeds the best) picks exactly the slot an exhaustive min over the same key picks."""
+    from vmkv.vmem import placement
+
+    c, _ = make(num_units=12, max_num_seqs=5)
+    live = _random_ops(c, seed=100 + seed)
+    for sid in list(live)[::2]:                      # freed slots keep their pages: they compete
+        c.free(sid)
+    m = c.mapper
+    rng = random.Random(seed)
+
+    def exhaustive(num_units, hits):
+        def calls(s):
+            n = num_units * m.num_res
+            for u, pages in s.units.items():
+                if u >= num_units:
+                    continue
+                for r, p in enumerate(pages):
+                    if p is None:
+                        continue
+                    if u < len(hits):
+                        n += -1 if p == hits[u][r] else 1
+                    elif m.refcount(p) > 1 or m.prefix.is_cached(p):
+                        n += 1
+                    else:
+                        n -= 1
+            return n
+        free = [s for s in m.slots if s.is_free]
+        cands = [s for s in free if s.units] + ([min((s for s in free if not s.units), key=lambda s: s.index)]
+                                                if any(not s.units for s in free) else [])
+
+        def key(s):
+            kept = len(s.units)
+            fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
+            return (calls(s), fit, s.index)
+        return min(cands, key=key) if cands else None
+
+    for _ in range(40):
+        num_units = rng.randint(1, c.layout.pages_per_slot)
+        live = [s for s in m.slots if not s.is_free and s.units]
+        hits = []
+        if live and rng.random() < 0.5:
+            src = rng.choice(live)
+            hits = [list(src.units[u]) for u in range(min(src.claimed, num_units)) if u in src.units]
+        assert placement.pick_slot(m, num_units, hits) is exhaustive(num_units, hits)
+    assert sum(1 for s in m.slots if s.is_free and s.units) >= 1       # kept slots competed

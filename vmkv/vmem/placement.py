@@ -56,10 +56,13 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
                     n -= 1
         return n
 
-    def key(s: Slot):
+    def lower_key(s: Slot):
+        # calls(s) >= every position minus one per kept page below num_units (at most num_res in
+        # each of at most min(kept units, num_units) units), so this key bounds key(s) from below
         kept = len(s.units)
         fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
-        return (calls(s), fit, s.index)
+        return (num_units * num_res - num_res * min(kept, num_units), fit, s.index)
+
     free = [s for s in mapper.slots if s.is_free and s.index not in exclude]
     if not free:
         return None
@@ -69,7 +72,17 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
     empty = [s for s in free if not s.units]
     if empty:
         candidates.append(min(empty, key=lambda s: s.index))
-    return min(candidates, key=key)
+    # exact best key with the fewest page walks: candidates in the order of their lower bound; once a
+    # bound exceeds the best key found, no later candidate can beat it (a slot whose kept pages all
+    # fit ends the search at once, the common warm admission)
+    best, best_key = None, None
+    for low, s in sorted(((lower_key(s), s) for s in candidates), key=lambda t: t[0]):
+        if best_key is not None and low > best_key:
+            break
+        k = (calls(s), low[1], low[2])
+        if best_key is None or k < best_key:
+            best, best_key = s, k
+    return best
 
 
 def pick_fork_slot(mapper: SlotMapper, parent: Slot, num_units: int) -> Slot:

@@ -73,8 +73,8 @@ class BlockManager:
         room_tokens = len(table) * bs - s.seq_len
         return Room(num_new + len(cow), free, new_len - s.seq_len + len(cow) * bs,
                     room_tokens + free * bs,
-                    f"sequence {s.seq_id!r} needs {num_new} new blocks + {len(cow)} copy-on-write, "
-                    f"{free} free", (new_len, num_new, cow))
+                    lambda: (f"sequence {s.seq_id!r} needs {num_new} new blocks + {len(cow)} "
+                             f"copy-on-write, {free} free"), (new_len, num_new, cow))
 
     def extend(self, s, room: Room) -> list[tuple[int, int]]:
         new_len, num_new, cow = room.payload

@@ -8,6 +8,7 @@ raises :class:`KVCacheFullError` when the units do not suffice, and only then th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from vmkv.kvcache.errors import KVCacheFullError
 
@@ -21,7 +22,9 @@ class Room:
 
     Attributes:
         num_needed / num_available: fresh units it takes / units obtainable for it.
-        needed_tokens / available_tokens / detail: the :class:`KVCacheFullError` if short.
+        needed_tokens / available_tokens / detail: the :class:`KVCacheFullError` if short
+            (``detail`` may be a callable, formatted only then: plans on the per-step path are
+            many, failures few).
         payload: whatever the backend's apply hook wants back.
     """
 
@@ -29,10 +32,11 @@ class Room:
     num_available: int
     needed_tokens: int
     available_tokens: int
-    detail: str
+    detail: str | Callable[[], str]
     payload: object = None
 
     def check(self) -> None:
         """Raise :class:`KVCacheFullError` (nothing was changed) when the units do not suffice."""
         if self.num_needed > self.num_available:
-            raise KVCacheFullError(self.needed_tokens, self.available_tokens, self.detail)
+            detail = self.detail() if callable(self.detail) else self.detail
+            raise KVCacheFullError(self.needed_tokens, self.available_tokens, detail)

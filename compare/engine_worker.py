@@ -299,7 +299,12 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "backend_stats": _counter_deltas(stats0, stats1),
     }
     timing = {"load_s": load_s, "warmup_s": warmup_s, "run_s": end - start, "num_steps": num_steps,
-              "step_ms": summarize(cols["step_s"], 1e3), "sample_overhead_s": sampler.overhead_s}
+              "step_ms": summarize(cols["step_s"], 1e3), "sample_overhead_s": sampler.overhead_s,
+              # CUDA graphs (capture at start-up, decode steps replayed in the run) and async scheduling
+              "cuda_graph_capture_s": st1.cuda_graph_capture_s,
+              "cuda_graph_memory_bytes": st1.cuda_graph_memory_bytes,
+              "cuda_graph_steps": st1.num_cuda_graph_steps_total - st0.num_cuda_graph_steps_total,
+              "ahead_steps": st1.num_ahead_steps_total - st0.num_ahead_steps_total}
     mc = engine.model_config
     result = {
         "backend": cfg["backend"],

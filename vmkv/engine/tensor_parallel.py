@@ -264,6 +264,9 @@ class TensorParallelExecutor:
             return self.model.forward(input_ids, positions, kv_cache.inner, meta)
         except Exception as exc:    # the ranks are out of step now: nothing can run after this
             raise self._failure(f"rank 0's forward raised {exc!r}") from exc
+        except BaseException:       # interrupted mid-step (SIGINT/SIGTERM): the workers wait in a
+            self._failed[0] = True  # collective and cannot read "close"; shutdown terminates them
+            raise
 
     def _flush(self, ops: list) -> None:
         """Send recorded cache calls now, without a forward."""

@@ -96,3 +96,64 @@ def test_schedule_ahead_only_for_a_plain_decode_step():
     eng.add_request("b", None, SamplingParams(temperature=0.0, max_tokens=3), prompt_token_ids=[8, 9])
     assert schedule_ahead(eng.scheduler, sched) is None         # "b" waits for admission
     eng.close()
+
+
+class _FailAtPosition:
+    """The model, except that a forward computing position ``pos`` raises (a batch-wide failure such as
+    an out-of-memory in the forward: non-fatal, the batch's requests fail)."""
+
+    def __init__(self, model, pos: int) -> None:
+        self.model, self.pos = model, pos
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        if self.pos in positions.tolist():
+            raise RuntimeError("simulated forward failure")
+        return self.model.forward(input_ids, positions, kv_cache, meta)
+
+
+def _final(engine: LLMEngine) -> dict:
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason, out.error)
+    return final
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_failing_step_ahead_does_not_fail_a_request_the_previous_step_finished(backend):
+    """Prompt [5, 6, 7, 8] samples 59 x 10 then 499 (seed 3): stopping on 499 ends it at its 11th token,
+    sampled by the forward of position 13.  Synchronously position 14 is never computed; with async
+    scheduling the step planned ahead computes it in vain.  When that forward fails, the request must
+    still finish with the 11 tokens and "stop" (as synchronously), not fail with its last token lost."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[499])
+    got = {}
+    for asy in (False, True):
+        eng = _engine(backend, asy)
+        eng.runner.model = _FailAtPosition(eng.model, 14)
+        eng.add_request("a", None, params, prompt_token_ids=[5, 6, 7, 8])
+        got[asy] = _final(eng)["a"]
+        assert eng.kv_cache.usage().used_tokens == 0
+        eng.close()
+    assert got[False] == ([59] * 10 + [499], "stop", None)
+    assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_step_ahead_left_in_flight_by_finished_requests_does_not_delay_the_next_request(backend):
+    """The last request stops on a token while the step planned ahead for it runs: once every request
+    is finished, that step must not stay pending and be 'processed' by the next request's first step
+    (which then returns nothing, counts a step and delays the new request by one step)."""
+    res = {}
+    for asy in (False, True):
+        eng = _engine(backend, asy)
+        eng.add_request("a", None, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[499]),
+                        prompt_token_ids=[5, 6, 7, 8])
+        _final(eng)
+        steps = eng.get_stats().num_steps
+        eng.add_request("b", None, SamplingParams(temperature=0.0, max_tokens=1), prompt_token_ids=[9, 10])
+        first = [(o.request_id, list(o.outputs[0].token_ids), o.finished) for o in eng.step()]
+        res[asy] = (steps, first, eng.get_stats().num_steps)
+        eng.close()
+    assert res[False][1] == [("b", [319], True)]
+    assert res[True] == res[False]

@@ -89,7 +89,8 @@ class StepDriver:
         self.scheduler, self.runner, self.requests = scheduler, runner, requests
         self.device = device
         self.ahead = bool(ahead)
-        self.pending: tuple[SchedulerOutput, PendingStep] | None = None
+        # the step launched ahead (or the exception its launch raised, failed at the next call)
+        self.pending: tuple[SchedulerOutput, PendingStep | Exception] | None = None
         self.num_ahead_steps = 0
 
     def next(self) -> tuple[SchedulerOutput, StepResult]:
@@ -101,22 +102,37 @@ class StepDriver:
             launched = self.launch(sched)
         else:
             (sched, launched), self.pending = self.pending, None
+            if isinstance(launched, Exception):      # the step ahead failed to launch: fail its batch
+                return sched, self._fail_batch(sched, launched)   # now (the finished are skipped)
         if not isinstance(launched, PendingStep):
             return sched, launched                  # nothing ran, or the step failed
         if self.ahead and launched.tokens is not None and launched.token_list is None:
             ahead = schedule_ahead(self.scheduler, sched)
             if ahead is not None:
-                nxt = self.launch(ahead, _next_input_ids(launched, ahead))
-                if isinstance(nxt, PendingStep):
-                    self.pending = (ahead, nxt)
+                try:
+                    self.pending = (ahead, self.runner.launch(ahead, _next_input_ids(launched, ahead)))
                     self.num_ahead_steps += 1
+                except Exception as exc:
+                    if is_fatal_error(exc):
+                        raise
+                    # failed after this step's tokens are processed, not before: a request this step
+                    # finishes keeps its result, the others keep this step's token
+                    self.pending = (ahead, exc)
         return sched, self.collect(sched, launched)
+
+    def drop_if_done(self) -> None:
+        """Wait for a step launched ahead whose sequences have all finished since (a stop token or
+        string, an abort) and drop it, so the next request's first step is not the leftover one."""
+        if self.pending is not None and all(s.seq.is_finished for s in self.pending[0].scheduled):
+            self.drain()
 
     def drain(self) -> None:
         """Wait for a step launched ahead and drop its result (before the KV cache closes, so no
         kernel of it still runs on memory being released)."""
         if self.pending is not None:
             (_, launched), self.pending = self.pending, None
+            if not isinstance(launched, PendingStep):
+                return                              # its launch failed: nothing runs
             try:
                 self.runner.collect(launched)
             except Exception as exc:            # closing anyway: the error is only reported

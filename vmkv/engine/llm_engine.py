@@ -224,6 +224,7 @@ class LLMEngine:
         try:
             sched, result = self.steps.next()      # schedule + run (or the step planned ahead)
             outputs = self._update(sched, result)
+            self.steps.drop_if_done()
             if sched.is_empty and not outputs and self.scheduler.waiting:
                 time.sleep(IDLE_WAIT_S)     # nothing could run (memory held elsewhere): no spinning
         except Exception as exc:

@@ -116,7 +116,8 @@ def _final(engine: LLMEngine) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                final[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason, out.error)
+                c = out.outputs[0]
+                final[out.request_id] = (list(c.token_ids), c.finish_reason, out.error)
     return final
 
 

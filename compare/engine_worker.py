@@ -27,8 +27,9 @@ from collections import Counter, deque
 import numpy as np
 
 from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics, summarize
-from vmkv.compare.report import write_json
+from vmkv.compare.worker_proc import worker_main
 from vmkv.compare.workloads import Request, WorkloadSpec, fingerprint, generate
+
 from vmkv.engine.kv_memory import created_bytes, device_memory_used_bytes
 
 logger = logging.getLogger(__name__)
@@ -344,15 +345,7 @@ def _raw_record(rec: RequestRecord, start: float, req: Request) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.stderr.write("usage: python -m vmkv.compare.engine_worker CONFIG.json OUT.json\n")
-        return 2
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    write_json(argv[1], run_worker(cfg), indent=None)
-    return 0
+    return worker_main(argv, "vmkv.compare.engine_worker", run_worker, indent=None)
 
 
 if __name__ == "__main__":

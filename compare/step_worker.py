@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from vmkv.compare.report import write_json
+from vmkv.compare.worker_proc import worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -303,15 +303,7 @@ def _drain(engine) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.stderr.write("usage: python -m vmkv.compare.step_worker CONFIG.json OUT.json\n")
-        return 2
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    write_json(argv[1], run_worker(cfg))
-    return 0
+    return worker_main(argv, "vmkv.compare.step_worker", run_worker)
 
 
 if __name__ == "__main__":

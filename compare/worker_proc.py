@@ -8,6 +8,7 @@ Used by ``vmkv compare engine`` (:mod:`vmkv.compare.engine_worker`) and ``vmkv c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typing import Callable
 
 from vmkv.compare import report
 
-__all__ = ["run_worker_process"]
+__all__ = ["run_worker_process", "worker_main"]
 
 
 def run_worker_process(module: str, cfg: dict, out_dir: Path, name: str, timeout_s: float,
@@ -71,3 +72,18 @@ def run_worker_process(module: str, cfg: dict, out_dir: Path, name: str, timeout
     result = json.loads(res_path.read_text())
     result["raw_file"] = str(res_path.relative_to(out_dir))
     return result
+
+
+def worker_main(argv: list[str] | None, module: str, run_worker: Callable[[dict], dict],
+                indent: int | None = 1) -> int:
+    """The worker side: ``python -m <module> CONFIG.json OUT.json`` runs ``run_worker(config)`` with
+    logging on stderr and writes its result as JSON.  Returns the exit status (2: bad usage)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        sys.stderr.write(f"usage: python -m {module} CONFIG.json OUT.json\n")
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    report.write_json(argv[1], run_worker(cfg), indent=indent)
+    return 0

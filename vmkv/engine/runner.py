@@ -63,7 +63,6 @@ class PendingStep:
     """
 
     sched: SchedulerOutput
-    t0: float
     owners: list = field(default_factory=list)
     rows: list = field(default_factory=list)
     row_index: list = field(default_factory=list)
@@ -162,7 +161,7 @@ class ModelRunner:
                 if self.device.type != "cpu":
                     input_ids = input_ids.to(self.device, non_blocking=True)
             logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
-        p = PendingStep(sched, t0)
+        p = PendingStep(sched)
         for i, s in enumerate(sched.scheduled):
             if not s.samples:
                 continue
@@ -214,7 +213,7 @@ class ModelRunner:
             self._extend_ahead([o.seq_id for o in dict.fromkeys(owners) if o.group.params.n == 1])
             if self.prefetch_tokens:
                 self._prefetch(list(dict.fromkeys(o.seq_id for o in owners)))
-        if self.upcoming is not None:
+        if self.upcoming is not None and self.kv_cache.wants_admission_hints:
             self._prefetch(None)
         self.prefetch_time_s_total += time.perf_counter() - t1
         self._release_idle()

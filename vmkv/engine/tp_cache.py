@@ -178,6 +178,10 @@ class ReplicatedKVCache(KVCache):
     def supports_cuda_graphs(self) -> bool:
         return False
 
+    @property
+    def wants_admission_hints(self) -> bool:
+        return self.inner.wants_admission_hints
+
     def close(self) -> None:
         """Close rank 0's cache and stop the other ranks (idempotent)."""
         if self._closed:

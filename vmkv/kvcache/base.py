@@ -147,6 +147,12 @@ class KVCache(abc.ABC):
             num_tokens: look-ahead in positions, >= 0.
         """
 
+    @property
+    def wants_admission_hints(self) -> bool:
+        """Does :meth:`prefetch_admission` do anything here?  (The engine then skips building its
+        arguments, token ids included, on every step; the default and paged: no.)"""
+        return False
+
     def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
                            extra_keys: Sequence | None = None) -> None:
         """Hint: sequences of these prompt lengths (in order) are about to be admitted; a backend may

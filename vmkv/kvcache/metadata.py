@@ -239,8 +239,6 @@ def build_metadata(batch: Sequence[StepSeq], *, device: torch.device,
         seq_lens_host=seq_lens_host,
         query_lens_host=qlens_host,
         slot_indices_host=(None if slot_indices is None else
-                           [int(x) for x in (slot_indices.tolist() if hasattr(slot_indices, "tolist")
-                                             else slot_indices)]),
+                           slot_indices.tolist() if hasattr(slot_indices, "tolist") else list(slot_indices)),
         num_splits=plan(rows, max_seq_len) if plan is not None and is_decode else 0,
-        num_padded_seqs=rows,
     )

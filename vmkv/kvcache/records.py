@@ -138,8 +138,11 @@ class AttentionMetadata:
     # chooses) and per-step workspaces the kernels fill on first use and reuse in every layer
     num_splits: int = 0
     workspace: dict = field(default_factory=dict)
-    # rows of the tensor fields: num_seqs, or more when a decode step is padded to a graph's size
-    num_padded_seqs: int = 0
+    @property
+    def num_padded_seqs(self) -> int:
+        """Rows of the tensor fields: ``num_seqs``, or more when a decode step is padded to a graph's
+        size."""
+        return int(self.seq_lens.shape[0])
 
     @property
     def num_seqs(self) -> int:

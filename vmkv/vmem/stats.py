@@ -83,6 +83,10 @@ class VMemStatsMixin:
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 
+    @property
+    def wants_admission_hints(self) -> bool:
+        return True
+
     def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
                            extra_keys: Sequence | None = None) -> None:
         """Map, off the critical path, the pages of the admissions expected next (prompt lengths in

@@ -131,3 +131,42 @@ def test_async_scheduling_with_graphs_matches_eager(name):
     got, stats, _ = _generate(backend, opts, enforce_eager=False, async_scheduling=True)
     assert stats.num_ahead_steps_total > 0 and stats.num_cuda_graph_steps_total > 0
     assert got == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["paged", "vmem-megacache"])
+def test_a_step_launch_never_waits_for_the_device(name):
+    """A step's launch (prepare, replay or forward, sampling, the copy of the tokens) performs no
+    synchronising CUDA operation (``torch.cuda.set_sync_debug_mode("error")`` raises on one), with
+    greedy, temperature, top-k/top-p, seeded and unseeded rows in one batch: a blocking copy there
+    would make the host wait for the step running ahead and undo async scheduling's overlap."""
+    backend, opts = BACKENDS[name]
+    cfg = EngineConfig.from_args(None, backend, "cuda", "float32", random_weights="smollm2-135m",
+                                 max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
+                                 seed=5, async_scheduling=True, **opts)
+    engine = LLMEngine(cfg)
+    runner, launches = engine.runner, []
+    plain_launch = runner.launch
+
+    def launch(sched, input_ids=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launches.append(len(sched.scheduled))
+            return plain_launch(sched, input_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.launch = launch
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=27, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=21, ignore_eos=True)]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", None, p, prompt_token_ids=list(range(5 + i, 40 + 3 * i)))
+    done = set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    stats = engine.get_stats()
+    engine.close()
+    assert done == {f"r{i}" for i in range(4)}
+    assert stats.num_ahead_steps_total > 0 and stats.num_cuda_graph_steps_total > 0 and len(launches) > 20

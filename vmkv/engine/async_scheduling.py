@@ -24,6 +24,7 @@ import logging
 import torch
 
 from vmkv.engine.errors import check_device, is_fatal_error
+from vmkv.engine.host_copy import to_device
 from vmkv.engine.runner import ModelRunner, PendingStep, StepResult
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from vmkv.engine.sequence import SequenceStatus
@@ -69,7 +70,7 @@ def _next_input_ids(p: PendingStep, ahead: SchedulerOutput) -> torch.Tensor:
     idx = [row[s.seq.seq_id] for s in ahead.scheduled]
     if idx == list(range(len(p.owners))):
         return p.tokens
-    return p.tokens.index_select(0, torch.tensor(idx, dtype=torch.int64, device=p.tokens.device))
+    return p.tokens.index_select(0, to_device(idx, torch.int64, p.tokens.device))
 
 
 class StepDriver:

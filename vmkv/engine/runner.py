@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vmkv.engine.errors import is_fatal_error
+from vmkv.engine.host_copy import to_device
 from vmkv.engine.sampler import Sampler, SamplingRow
 from vmkv.engine.scheduler import SchedulerOutput
 from vmkv.engine.sequence import Sequence
@@ -157,9 +158,7 @@ class ModelRunner:
         else:
             meta = self.kv_cache.prepare(batch)
             if input_ids is None:
-                input_ids = torch.tensor(ids, dtype=torch.int64)
-                if self.device.type != "cpu":
-                    input_ids = input_ids.to(self.device, non_blocking=True)
+                input_ids = to_device(ids, torch.int64, self.device)
             logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
         p = PendingStep(sched)
         for i, s in enumerate(sched.scheduled):
@@ -174,7 +173,7 @@ class ModelRunner:
                 p.owners.append(s.seq)
         self._host_kv_work(p.owners)
         if p.rows:
-            sel = torch.tensor(p.row_index, dtype=torch.int64, device=logits.device)
+            sel = to_device(p.row_index, torch.int64, logits.device)
             p.selected = logits.index_select(0, sel)
             try:
                 p.tokens = self.sampler.sample_device(p.selected, p.rows)
@@ -298,7 +297,7 @@ class ModelRunner:
         for idx in by_seq.values():
             seq = owners[idx[0]]
             try:
-                sel = torch.tensor(idx, dtype=torch.int64, device=logits.device)
+                sel = to_device(idx, torch.int64, logits.device)
                 got = self.sampler.sample_device(logits.index_select(0, sel),
                                                  [rows[i] for i in idx]).tolist()
             except Exception as exc:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vmkv.engine.host_copy import to_device
+
 __all__ = ["SamplingRow", "Sampler", "apply_top_k", "apply_top_p"]
 
 
@@ -96,19 +98,17 @@ class Sampler:
         (greedy rows get temperature 1 and no masks)."""
         logits = logits.float()
         dev = logits.device
-        temps = torch.tensor([1.0 if r.is_greedy else r.temperature for r in rows],
-                             dtype=torch.float32, device=dev)
+        temps = to_device([1.0 if r.is_greedy else r.temperature for r in rows], torch.float32, dev)
         logits = logits / temps.unsqueeze(1)
         vocab = logits.shape[-1]
         if any(0 < r.top_k < vocab and not r.is_greedy for r in rows):
             # clamped on the host: a k beyond the vocabulary keeps every token (and 2**63 would
             # not even fit the int64 tensor)
-            k = torch.tensor([0 if r.is_greedy or r.top_k >= vocab else max(r.top_k, 0) for r in rows],
-                             dtype=torch.int64, device=dev)
+            k = to_device([0 if r.is_greedy or r.top_k >= vocab else max(r.top_k, 0) for r in rows],
+                          torch.int64, dev)
             logits = apply_top_k(logits, k)
         if any(r.top_p < 1.0 and not r.is_greedy for r in rows):
-            p = torch.tensor([1.0 if r.is_greedy else r.top_p for r in rows], dtype=torch.float32,
-                             device=dev)
+            p = to_device([1.0 if r.is_greedy else r.top_p for r in rows], torch.float32, dev)
             logits = apply_top_p(logits, p)
         return logits.softmax(dim=-1)
 
@@ -142,7 +142,7 @@ class Sampler:
         if shared:
             draw = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype, device=probs.device)
             draw.exponential_(generator=self.generator)
-            noise[shared] = draw
+            noise.index_copy_(0, to_device(shared, torch.int64, noise.device), draw)
         for i, r in enumerate(rows):
             if r.generator is not None and not r.is_greedy:
                 noise[i].exponential_(generator=r.generator)
@@ -150,5 +150,5 @@ class Sampler:
             if g:
                 noise[i].fill_(1.0)
         sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
-        mask = torch.tensor(greedy, device=sampled.device)
+        mask = to_device(greedy, torch.bool, sampled.device)
         return torch.where(mask, argmax, sampled)

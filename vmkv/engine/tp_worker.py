@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from vmkv.engine.host_copy import to_device
 from vmkv.engine.tensor_parallel import COLLECTIVE_TIMEOUT_S, TensorParallelError, load_shard
 from vmkv.kvcache import create_kv_cache
 from vmkv.model.parallel import TensorParallel
@@ -103,9 +104,7 @@ def _serve(args: WorkerArgs, conn, model, device: torch.device) -> None:
                 meta = replay(cache, ops, meta, args.rank)
                 if input_ids is not None:
                     with torch.inference_mode():
-                        ids = torch.tensor(input_ids, dtype=torch.int64)
-                        if device.type != "cpu":
-                            ids = ids.to(device, non_blocking=True)
+                        ids = to_device(input_ids, torch.int64, device)
                         model.forward(ids, meta.positions, cache, meta)
             else:
                 raise TensorParallelError(f"rank {args.rank}: unknown message {msg[0]!r}")

@@ -104,9 +104,10 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         case = self.case
-        if case.backend == "vmem":   # elastic shrink at once, down to a one-page reserve
+        if case.backend == "vmem":   # elastic shrink at once, down to a two-page reserve
+            reserve = 2 * case.options["page_size_bytes"]
             case = dataclasses.replace(case, options={**case.options, "kv_shrink_grace_s": 0,
-                                                      "kv_reserve_bytes": case.options["page_size_bytes"]})
+                                                      "kv_reserve_bytes": reserve})
         self.cache = case.make(**SM_LIMITS[self.case.name])
         # vmem runs on a CheckedDriver (the checked_drivers fixture): driver misuse raises VMMError
         assert self.case.backend != "vmem" or isinstance(self.cache.driver, CheckedDriver)
@@ -308,9 +309,10 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.case.backend == "vmem" and self.cache.mapper.num_idle_pages() > 1)
     @rule()
     def release_idle(self) -> None:
-        """Elastic shrink (grace 0, one-page reserve): idle pages beyond the reserve go back to the
+        """Elastic shrink (grace 0, two-page reserve): idle pages beyond the reserve go back to the
         driver; live sequences keep their K/V (the invariant gathers it), cached prefixes whose pages
-        went are misses afterwards (``allocate`` checks every hit against what was written)."""
+        went are misses afterwards (``allocate`` checks every hit against what was written); the
+        reserve is left as it is (the top-up creates nothing)."""
         mapper, page = self.cache.mapper, self.cache.page_size_bytes
         idle, created = mapper.num_idle_pages(), mapper.pool.num_created
         claimed = mapper.table.num_claimed_pages
@@ -318,10 +320,31 @@ class KVCacheMachine(RuleBasedStateMachine):
         released = self.cache.release_idle()
         assert released % page == 0
         # host driver: no fence is ever pending, so everything beyond the reserve goes
-        assert mapper.num_idle_pages() == min(idle, 1), (idle, mapper.num_idle_pages())
+        assert mapper.num_idle_pages() == 2, (idle, mapper.num_idle_pages())
         assert mapper.pool.num_created == created - released // page
         assert mapper.table.num_claimed_pages == claimed
         assert self.cache.usage().free_tokens == free_before
+
+    @precondition(lambda self: self.case.backend == "vmem")
+    @rule(data=st.data())
+    def prefetch_and_top_up(self, data) -> None:
+        """The engine's calls while a forward runs: ``prefetch`` of live sequences (pages mapped
+        unclaimed), then the top-up of the reserve (plain free pages created, never past the cap):
+        no sequence or usage figure changes but mapped and created bytes, and afterwards the
+        two-page reserve is idle unless the cap is reached."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.seqs)), max_size=3, unique=True),
+                        label="seqs") if self.seqs else []
+        num_tokens = data.draw(st.integers(1, 2 * self.mml), label="num_tokens")
+        mapper = self.cache.mapper
+        before, created = self.cache.usage(), mapper.pool.num_created
+        lens = {sid: self.cache.seq_len(sid) for sid in self.seqs}
+        self.cache.prefetch(ids, num_tokens)
+        after = self.cache.usage()
+        assert {sid: self.cache.seq_len(sid) for sid in self.seqs} == lens
+        assert (after.used_tokens, after.allocated_bytes, after.free_tokens) == \
+            (before.used_tokens, before.allocated_bytes, before.free_tokens)
+        assert created <= mapper.pool.num_created <= mapper.pool.max_pages
+        assert mapper.num_idle_pages() >= 2 or mapper.pool.num_created == mapper.pool.max_pages
 
     def run_step(self, batch: list[StepSeq]) -> None:
         """prepare + write_kv on every layer + attention of layer 0, checked against the shadow."""

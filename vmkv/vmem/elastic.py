@@ -8,6 +8,11 @@ pages (an unmapped page that still holds a prefix-cache unit), and mapped pages 
 the whole last ``grace_s`` seconds (the minimum of the idle count over that window, less the
 reserve), so a dip between two bursts shorter than the grace releases nothing.
 
+The reserve is also kept **ahead of need**: :meth:`ElasticMixin.top_up_idle` creates plain free pages
+while the idle count is below ``reserve_pages`` (never beyond the cap), off the critical path, so the
+next grows and admissions take created pages instead of calling ``cuMemCreate``.  Idle pages up to
+the reserve are never released, so the top-up and the shrink never undo each other's work.
+
 :class:`ElasticMixin` (a mixin of :class:`~vmkv.vmem.mapper.SlotMapper`) releases them, in this order:
 plain free pages (no driver call but the release), then kept pages without a prefix entry, then cached
 pages (cached free or kept) least recently used first, whose prefix entries are dropped first (a later
@@ -81,6 +86,18 @@ class ElasticMixin:
     def num_idle_pages(self) -> int:
         """Created pages no live sequence claims (see the module docstring)."""
         return self.pool.num_created - self.table.num_claimed_pages
+
+    def top_up_idle(self, reserve_pages: int, max_pages: int) -> int:
+        """Create pages (plain free) until ``reserve_pages`` are idle, at most ``max_pages`` of them
+        now and never beyond the pool's cap (:meth:`PagePool.top_up`: out of memory ends it
+        quietly).  Returns the number of pages created.  Raises VMMError: a creation failed for
+        another reason than memory."""
+        need = min(reserve_pages - self.num_idle_pages(), max_pages)
+        if need <= 0:
+            return 0
+        created = self.pool.top_up(need)
+        self.num_topped_up_pages += created
+        return created
 
     def _fence_pending(self, page: int) -> bool:
         for s in self.table.slots_of(page):

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.elastic import ElasticMixin
 from vmkv.vmem.mapper_check import MapperCheckMixin
-from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError
+from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError, creation_out_of_memory
 from vmkv.vmem.protocol import VMMError
 from vmkv.vmem.slot_ops import SlotOpsMixin
 
@@ -123,6 +123,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.num_prefetched_pages = 0
         self.num_prefix_evictions = 0
         self.num_released_pages = 0
+        self.num_topped_up_pages = 0     # pages created ahead of need (elastic.py, top_up_idle)
         self.num_reused_on_oom = 0       # page creations out of memory answered by idle pages
 
     # ------------------------------------------------------------------ primitives
@@ -311,7 +312,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         try:
             return self.pool.acquire()
         except VMMError as e:
-            if not (e.out_of_memory and e.call == self.driver.calls.get("create_page")):
+            if not creation_out_of_memory(self.driver, e):
                 raise
             if not self.reclaim(max(1, want), exclude | self._pending, wait=False):
                 raise

@@ -47,6 +47,7 @@ class MapperCheckMixin:
             "num_fence_waits": self.num_fence_waits,
             "num_pages_created": self.pool.num_created,
             "num_released_pages": self.num_released_pages,
+            "num_topped_up_pages": self.num_topped_up_pages,
             "num_idle_pages": self.num_idle_pages(),
             "num_reused_on_oom": self.num_reused_on_oom,
         }

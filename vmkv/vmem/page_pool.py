@@ -1,4 +1,5 @@
-"""Physical pages of the vmem backend: created up front or lazily up to a budget.
+"""Physical pages of the vmem backend: created up front, or lazily up to a budget and topped up
+ahead of need (:meth:`PagePool.top_up`, off the critical path).
 
 Which pages are in use and their reference counts live in the one
 :class:`~vmkv.vmem.page_table.PageTable` (:attr:`PagePool.table`).  A page's reference count is the
@@ -23,11 +24,16 @@ from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.page_table import PageTable
 from vmkv.vmem.protocol import VMMError
 
-__all__ = ["PagePool", "PagePoolExhaustedError", "out_of_memory_is_full"]
+__all__ = ["PagePool", "PagePoolExhaustedError", "creation_out_of_memory", "out_of_memory_is_full"]
 
 
 class PagePoolExhaustedError(RuntimeError):
     """All ``max_pages`` pages are in use (callers check :attr:`PagePool.num_available` first)."""
+
+
+def creation_out_of_memory(driver, err: VMMError) -> bool:
+    """Is ``err`` ``driver``'s page creation failing for want of memory (another process holds it)?"""
+    return err.out_of_memory and err.call == driver.calls.get("create_page")
 
 
 @contextmanager
@@ -37,7 +43,7 @@ def out_of_memory_is_full(driver, num_tokens: int):
     try:
         yield
     except VMMError as e:
-        if not (e.out_of_memory and e.call == driver.calls.get("create_page")):
+        if not creation_out_of_memory(driver, e):
             raise
         raise KVCacheFullError(num_tokens, 0, f"{e.call} could not create a page: {e.code}",
                                transient=True) from e
@@ -112,6 +118,32 @@ class PagePool:
                                          f"({len(self._cached)} cached free)")
         self.table.add(page)
         return page
+
+    def top_up(self, num_pages: int) -> int:
+        """Create up to ``num_pages`` pages onto the plain free list ahead of need, never beyond
+        ``max_pages``, so the :meth:`acquire` calls that follow make no driver call (off the
+        critical path: the cache calls it between steps and from ``prefetch``).  A creation that
+        fails for want of memory (another process holds it) ends the top-up quietly: the critical
+        path's own pressure handling (:func:`out_of_memory_is_full`) stays where it is.
+
+        Returns:
+            The number of pages created (0 when ``num_pages <= 0``, at the cap, or out of memory).
+        Raises:
+            VMMError: a creation failed for another reason (the pages created before it stay).
+        """
+        num = min(int(num_pages), self.max_pages - self._num_created)
+        created = 0
+        while created < num:
+            try:
+                page = self.driver.create_page()
+            except VMMError as e:
+                if creation_out_of_memory(self.driver, e):
+                    break
+                raise
+            self._free.append(page)
+            self._num_created += 1
+            created += 1
+        return created
 
     def revive(self, page: int) -> None:
         """Take cached free ``page`` to map it again (count 0, like :meth:`acquire`)."""

@@ -8,17 +8,22 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from vmkv.kvcache.seqtable import check_count
+from vmkv.vmem.page_pool import creation_out_of_memory
 from vmkv.vmem.placement import pick_slot
+from vmkv.vmem.protocol import VMMError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VMemStatsMixin", "RELEASE_PAGES_PER_CALL"]
+__all__ = ["VMemStatsMixin", "RELEASE_PAGES_PER_CALL", "TOP_UP_PAGES_PER_CALL"]
 
 logger = logging.getLogger(__name__)
 
 #: pages :meth:`VMemStatsMixin.release_idle` releases per call at most while sequences are live
 RELEASE_PAGES_PER_CALL = 32
+#: pages a top-up (:meth:`VMemStatsMixin.release_idle`, :meth:`VMemStatsMixin.prefetch`) creates per
+#: call at most while sequences are live (the whole reserve when none is)
+TOP_UP_PAGES_PER_CALL = 32
 
 
 class VMemStatsMixin:
@@ -57,14 +62,16 @@ class VMemStatsMixin:
         stay reclaimable, so they count in ``usage().free_tokens`` and ``can_allocate`` and an
         admission that needs them unmaps them; ``usage().mapped_bytes`` includes them,
         ``allocated_bytes`` does not until ``extend`` reaches them.  Each sequence's pages are
-        mapped in one batch (one ``set_access`` per run of adjacent pages).
+        mapped in one batch (one ``set_access`` per run of adjacent pages).  Then the reserve is
+        topped up (:meth:`release_idle`).
 
         Args:
             seq_ids: sequence ids.
             num_tokens: look-ahead in positions, an int >= 0 (0 does nothing).
         Raises:
             ValueError: ``num_tokens`` is not an int >= 0.  VMMError: a driver call failed (the
-            batch is undone; the cache stays consistent).  Never KVCacheFullError.
+            batch is undone; the cache stays consistent), except a page creation out of memory,
+            which ends the prefetch quietly.  Never KVCacheFullError.
         """
         self._check_open()
         num_tokens = check_count("num_tokens", num_tokens, 0)
@@ -80,6 +87,10 @@ class VMemStatsMixin:
                     continue
                 target = min(self.max_model_len, seq.seq_len + num_tokens)
                 self.mapper.prefetch(seq.units, self.layout.num_units(target))
+            self._top_up()
+        except VMMError as e:
+            if not creation_out_of_memory(self.driver, e):
+                raise
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 
@@ -94,7 +105,8 @@ class VMemStatsMixin:
         it; its prefix-cache hits (when ``token_ids`` are given; looked up without counting) are
         mapped into it, and its other holes filled from free pool pages, all unclaimed
         (:meth:`SlotMapper.prefetch`; no reclaiming, no fence wait), so the ``allocate`` that follows
-        finds them in place and makes no driver call.  Best effort; never raises KVCacheFullError;
+        finds them in place and makes no driver call.  Then the reserve is topped up (:meth:`release_idle`).
+        Best effort (a page creation out of memory ends it quietly); never raises KVCacheFullError;
         time counted with :meth:`prefetch`."""
         self._check_open()
         t0 = time.perf_counter_ns()
@@ -114,6 +126,10 @@ class VMemStatsMixin:
                     break
                 taken.add(slot.index)
                 self.mapper.prefetch(slot, units, hits)
+            self._top_up()
+        except VMMError as e:
+            if not creation_out_of_memory(self.driver, e):
+                raise
         finally:
             self._prefetch_ns += time.perf_counter_ns() - t0
 
@@ -125,25 +141,38 @@ class VMemStatsMixin:
         touches a claimed page; while sequences are live at most :data:`RELEASE_PAGES_PER_CALL` pages
         go per call (the step's critical path stays short), all of them when none is.
 
+        Then tops the reserve up ahead of need: while fewer than ``kv_reserve_bytes`` of pages are
+        idle, plain free pages are created (never beyond ``memory_bytes``; at most
+        :data:`TOP_UP_PAGES_PER_CALL` per call while sequences are live), so the next grows and
+        admissions find created pages; a creation out of memory ends the top-up quietly
+        (``backend_stats()["num_topped_up_pages"]`` counts them).
+
         Args:
             now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
         Returns:
-            Bytes released (0 most calls).
+            Bytes released (0 most calls; pages the top-up created are not subtracted).
         Raises:
-            VMMError: a driver call failed (the cache stays consistent).
+            VMMError: a driver call failed other than a top-up's creation out of memory (the cache
+            stays consistent).
         """
         self._check_open()
         now = time.monotonic() if now is None else float(now)
         num = self._idle_window.observe(now, self.mapper.num_idle_pages())
-        if num <= 0:
-            return 0
-        if len(self.seqs):
-            num = min(num, RELEASE_PAGES_PER_CALL)
-        released = self.mapper.release_idle_pages(num)
-        self._idle_window.released(released)
-        if released:
-            logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
+        released = 0
+        if num > 0:
+            if len(self.seqs):
+                num = min(num, RELEASE_PAGES_PER_CALL)
+            released = self.mapper.release_idle_pages(num)
+            self._idle_window.released(released)
+            if released:
+                logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
+        self._top_up()
         return released * self.layout.page_size_bytes
+
+    def _top_up(self) -> int:
+        """Create pages until ``kv_reserve_bytes`` are idle (:meth:`ElasticMixin.top_up_idle`)."""
+        limit = TOP_UP_PAGES_PER_CALL if len(self.seqs) else self.pool.max_pages
+        return self.mapper.top_up_idle(self._idle_window.reserve_pages, limit)
 
     # ------------------------------------------------------------------ capacity
     def _free_tokens(self) -> int:

@@ -3,8 +3,10 @@
 For each backend of ``--backends`` (each in a fresh ``python -m vmkv.compare.step_worker`` process, so it
 starts from an empty device) and each grid point ``(B, L)`` of ``--batch-sizes`` x ``--context-lens``: ``B``
 requests of ``L`` random prompt ids run to the end of their prefill, then ``--steps`` decode-only
-``engine.step()`` calls are timed one by one (after ``--warmup-steps``; every step checked to carry exactly
-``B`` decode tokens and no prompt token).  Per point: the step time (median, p10, p90), the floor
+``engine.step()`` calls are timed back to back, as a serving loop makes them (after ``--warmup-steps``; a
+step's time is the interval between two returns of ``engine.step()``, so ``--async-scheduling``'s overlap
+counts; every step checked to give each request exactly one token, and the window to carry ``B`` decode
+tokens per step and no prompt token: ``step_worker``'s docstring).  Per point: the step time (median, p10, p90), the floor
 ``(weight bytes + KV bytes read) / read bandwidth`` (the bandwidth measured in the same worker: a ``sum``
 over 4 GiB on CUDA, 64 MiB on CPU, best of 10), floor/step, the GPU-busy share (``torch.profiler``, CUDA
 activity: kernel time / wall time over ``--profile-steps`` further decode steps; CUDA only) and the output

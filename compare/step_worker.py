@@ -8,10 +8,14 @@ every grid point ``(B, L)``:
 1. adds ``B`` requests of ``L`` seeded random prompt ids (``ignore_eos``, ``max_tokens`` large enough that
    nobody finishes during the measurement);
 2. steps the engine until every request has its first token (every prefill has finished);
-3. runs ``warmup_steps`` decode steps, then times ``steps`` calls of ``engine.step()`` one by one, the device
-   synchronised before and after each; every warm-up and timed step is checked to be decode-only: the
-   engine's counters grew by exactly ``B`` generated tokens and no prompt token, and each of the ``B``
-   requests produced exactly one token (a step that is not is an error of the point);
+3. runs ``warmup_steps`` decode steps, then ``steps + 1`` back-to-back calls of ``engine.step()`` as a
+   serving loop makes them (the device synchronised once, before the first): a step's time is the interval
+   between two consecutive returns of ``engine.step()``, so with ``--async-scheduling`` the overlap of one
+   step's host work with the next step's forward counts, as it does in serving (a synchronisation after
+   every step would drain the step launched ahead); the first call's interval, from the synchronised start,
+   is not a period and is dropped.  Every step is checked to be decode-only: each of the ``B`` requests
+   produced exactly one token, and over the window the engine's counters grew by exactly ``B`` generated
+   tokens per step and no prompt token (a step that is not is an error of the point);
 4. on CUDA, runs ``profile_steps`` more decode steps under ``torch.profiler`` (CUDA activity only) and
    reports the GPU-busy share: the union of the kernel, memcpy and memset intervals / the wall time of
    those steps;
@@ -125,7 +129,7 @@ class _Point:
         vocab = self.engine.model_config.vocab_size
         prompts = rng.integers(0, vocab, size=(self.batch, self.context))
         max_tokens = max_tokens_for(self.batch, self.context, self.cfg["max_num_batched_tokens"],
-                                    self.cfg["warmup_steps"] + self.cfg["steps"] + self.cfg["profile_steps"])
+                                    self.cfg["warmup_steps"] + self.cfg["steps"] + self.cfg["profile_steps"] + 3)
         params = SamplingParams(temperature=float(self.cfg["temperature"]), max_tokens=max_tokens, ignore_eos=True)
         for i, ids in enumerate(prompts):
             rid = f"b{self.batch}-l{self.context}-{i}"
@@ -156,31 +160,34 @@ class _Point:
         self.sync()
         return steps, time.perf_counter() - t0
 
-    def decode_step(self) -> dict:
-        """One checked decode-only step, timed with the device synchronised before and after."""
+    def decode_steps(self, n: int) -> dict:
+        """``n`` checked decode-only steps timed back to back (module docstring, step 3): ``{"steps": [per
+        step: step_s, kv_tokens_read, new tokens], "alloc_s", "prefetch_s", "release_s": totals}``."""
         eng = self.engine
+        self.sync()
         st0, rel0 = eng.get_stats(), getattr(eng.runner, "release_time_s_total", 0.0)
-        kv_tokens = sum(self.context + g for g in self.generated.values())
-        self.sync()
-        t0 = time.perf_counter()
-        outputs = eng.step()
-        self.sync()
-        dt = time.perf_counter() - t0
+        rows, t_prev = [], time.perf_counter()
+        for i in range(n + 1):
+            kv_tokens = sum(self.context + g for g in self.generated.values())
+            outputs = eng.step()
+            t = time.perf_counter()
+            new = self._collect(outputs)
+            if len(new) != self.batch or any(k != 1 for k in new.values()):
+                raise RuntimeError(f"step is not decode-only with {self.batch} sequences: {len(new)} requests "
+                                   f"produced {sorted(set(new.values()))} tokens")
+            if i:           # the first interval starts at the synchronised start: not a period
+                rows.append({"step_s": t - t_prev, "kv_tokens_read": kv_tokens,
+                             "num_seqs_with_one_new_token": len(new)})
+            t_prev = t
         st1, rel1 = eng.get_stats(), getattr(eng.runner, "release_time_s_total", 0.0)
-        new = self._collect(outputs)
-        # KV bookkeeping inside the step: allocate/extend (critical path), prefetch and idle release (after
-        # the forward is enqueued)
-        row = {"step_s": dt, "alloc_s": st1.alloc_time_s_total - st0.alloc_time_s_total,
-               "prefetch_s": st1.prefetch_time_s_total - st0.prefetch_time_s_total, "release_s": rel1 - rel0,
-               "kv_tokens_read": kv_tokens,
-               "decode_tokens": st1.num_generation_tokens_total - st0.num_generation_tokens_total,
-               "prompt_tokens": st1.num_prompt_tokens_total - st0.num_prompt_tokens_total,
-               "num_seqs_with_one_new_token": sum(1 for n in new.values() if n == 1),
-               "num_running_seqs": st1.num_running_seqs}
-        if (row["decode_tokens"] != self.batch or row["prompt_tokens"] != 0
-                or row["num_seqs_with_one_new_token"] != self.batch or len(new) != self.batch):
-            raise RuntimeError(f"step is not decode-only with {self.batch} sequences: {row}")
-        return row
+        decode = st1.num_generation_tokens_total - st0.num_generation_tokens_total
+        prompt = st1.num_prompt_tokens_total - st0.num_prompt_tokens_total
+        if decode != self.batch * (n + 1) or prompt != 0:
+            raise RuntimeError(f"{n + 1} steps of {self.batch} sequences computed {decode} decode and {prompt} "
+                               "prompt tokens: not decode-only")
+        return {"steps": rows, "alloc_s": st1.alloc_time_s_total - st0.alloc_time_s_total,
+                "prefetch_s": st1.prefetch_time_s_total - st0.prefetch_time_s_total, "release_s": rel1 - rel0,
+                "num_running_seqs": st1.num_running_seqs}
 
     def profile(self, n: int) -> dict:
         """GPU-busy share over ``n`` decode steps (torch.profiler, CUDA activity only)."""
@@ -189,7 +196,7 @@ class _Point:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             self.sync()
             t0 = time.perf_counter()
-            rows = [self.decode_step() for _ in range(n)]
+            rows = self.decode_steps(n)["steps"]
             self.sync()
             wall_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
@@ -199,9 +206,9 @@ class _Point:
                 events = json.load(f).get("traceEvents", [])
         busy_s = busy_us(events) * 1e-6
         return {"method": "torch.profiler (CUDA activity): union of kernel/memcpy/memset intervals / wall time "
-                          f"of {n} further decode steps", "num_steps": n, "wall_s": wall_s, "busy_s": busy_s,
+                          f"of {n + 1} further decode steps", "num_steps": n + 1, "wall_s": wall_s, "busy_s": busy_s,
                 "busy_pct": 100.0 * busy_s / wall_s if wall_s > 0 else None,
-                "kernel_ms_per_step": busy_s / n * 1e3, "steps": rows}
+                "kernel_ms_per_step": busy_s / (n + 1) * 1e3, "steps": rows}
 
     def finish(self) -> None:
         for rid in list(self.generated):
@@ -210,12 +217,13 @@ class _Point:
             self.engine.step()
 
 
-def _summary(steps: list[dict], batch: int, weight_bytes: int, bytes_per_token: int, bw: float) -> dict:
+def _summary(window: dict, batch: int, weight_bytes: int, bytes_per_token: int, bw: float) -> dict:
+    steps = window["steps"]
     ms = np.asarray([s["step_s"] for s in steps]) * 1e3
     kv_bytes = float(np.mean([s["kv_tokens_read"] for s in steps])) * bytes_per_token
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     median = float(np.median(ms))
-    kv_ms = {k: float(np.mean([s[k + "_s"] for s in steps])) * 1e3 for k in ("alloc", "prefetch", "release")}
+    kv_ms = {k: window[k + "_s"] / len(steps) * 1e3 for k in ("alloc", "prefetch", "release")}
     return {"step_ms": median, "step_ms_p10": float(np.percentile(ms, 10)), "step_ms_p90": float(np.percentile(ms, 90)),
             "step_ms_mean": float(ms.mean()), "step_ms_max": float(ms.max()),
             **{f"{k}_ms_per_step": v for k, v in kv_ms.items()}, "kv_bytes_read": kv_bytes, "floor_ms": floor_ms,
@@ -230,15 +238,18 @@ def run_point(engine, batch: int, context: int, cfg: dict, weight_bytes: int, by
     p.add_requests()
     try:
         prefill_steps, prefill_s = p.prefill()
-        warm = [p.decode_step() for _ in range(cfg["warmup_steps"])]
-        steps = [p.decode_step() for _ in range(cfg["steps"])]
+        warm = p.decode_steps(cfg["warmup_steps"])["steps"] if cfg["warmup_steps"] else []
+        window = p.decode_steps(cfg["steps"])
+        steps = window["steps"]
         busy = p.profile(cfg["profile_steps"]) if p.cuda and cfg["profile_steps"] > 0 else None
     finally:
         p.finish()
     out = {"batch": batch, "context": context, "max_tokens": p.max_tokens, "prefill_steps": prefill_steps,
            "prefill_s": prefill_s, "warmup_steps": len(warm), "num_steps": len(steps), "decode_only": True,
+           "num_running_seqs": window["num_running_seqs"],
+           "window_kv_s": {k: window[k] for k in ("alloc_s", "prefetch_s", "release_s")},
            "weight_bytes": weight_bytes, "kv_bytes_per_token": bytes_per_token, "read_bytes_per_s": bw,
-           **_summary(steps, batch, weight_bytes, bytes_per_token, bw),
+           **_summary(window, batch, weight_bytes, bytes_per_token, bw),
            "gpu_busy_pct": busy["busy_pct"] if busy else None,
            "gpu_kernel_ms_per_step": busy["kernel_ms_per_step"] if busy else None,
            "gpu_busy": busy, "steps": steps}

@@ -6,7 +6,8 @@ without PagedAttention", ASPLOS'25): every request gets a **slot**, a row of a v
 as its sequence grows (section 5), so attention reads plain strided tensors and needs no block table.
 Freed slots keep their pages mapped (deferred reclamation, section 6.2) and the next request takes
 the best-fitting one; pages are unmapped when the pool runs short, and idle pages beyond a reserve
-are released to the device after a grace period (:meth:`release_idle`, ``elastic.py``).  On top of the paper: fork
+are released to the device after a grace period (:meth:`release_idle`, ``elastic.py``), while
+pages up to the reserve are created ahead of need.  On top of the paper: fork
 and page-aligned prefix sharing map one physical page into several slots with reference counts, and
 the first write into a shared page copies it (copy-on-write).  See DESIGN.md, "vmem backend".
 
@@ -131,8 +132,9 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         hits = [e.handles for e in hits]
         slot = pick_slot(self.mapper, num_units, hits)
         fresh, available = self.mapper.plan_occupy(slot, num_units, hits)
+        page = self.layout.page_size_bytes
         return Room(fresh, available, n, self._free_tokens(),
-                    f"needs {fresh} more pages of {self.layout.page_size_bytes} B, {available} obtainable",
+                    lambda: f"needs {fresh} more pages of {page} B, {available} obtainable",
                     (slot, num_units, hits))
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
@@ -157,13 +159,19 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         num_units = max(slot.claimed, layout.num_units(new_len))
         cow = [u for u in new_units if u < slot.claimed]
         fresh, available = self.mapper.plan_grow(slot, num_units, cow)
-        # any growth first needs the copy of the shared unit at seq_len, then whole units
-        spare = self.mapper.available_pages() - self.mapper.plan_writable(slot, cow, range(layout.num_reservations))
-        can = 0 if spare < 0 else max(0, layout.max_tokens_for_units(
-            slot.claimed + spare // layout.pages_per_unit) - s.seq_len)
-        return Room(fresh, available, new_len - s.seq_len, can,
-                    f"sequence {s.seq_id!r} needs {fresh} more pages, {available} obtainable",
+        return Room(fresh, available, new_len - s.seq_len,
+                    self._extend_room_tokens(s, cow) if fresh > available else 0,
+                    lambda: f"sequence {s.seq_id!r} needs {fresh} more pages, {available} obtainable",
                     (num_units, cow))
+
+    def _extend_room_tokens(self, s: SeqState, cow: list) -> int:
+        """Positions ``s`` could still grow by (the error's ``available_tokens``; only on a refusal)."""
+        layout = self.layout
+        # any growth first needs the copy of the shared unit at seq_len, then whole units
+        spare = self.mapper.available_pages() - self.mapper.plan_writable(
+            s.units, cow, range(layout.num_reservations))
+        return 0 if spare < 0 else max(0, layout.max_tokens_for_units(
+            s.units.claimed + spare // layout.pages_per_unit) - s.seq_len)
 
     def _grow(self, s: SeqState, new_len: int, room: Room) -> list:
         num_units, cow = room.payload

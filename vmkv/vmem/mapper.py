@@ -18,7 +18,9 @@ order (as the paged block pool does): plain pool pages, kept pages without a pre
 the least recently used cached pages (kept or cached free), whose entries are dropped (eviction).
 The same order applies when creating a page fails for want of memory (another process holds it):
 idle pages are reused instead (:meth:`SlotMapper._acquire`), those whose fence is pending excepted,
-before the operation gives up with a transient full cache.  Idle pages are released back to the driver only by the elastic shrink (``elastic.py``).
+before the operation gives up with a transient full cache.  Idle pages are released back to the
+driver only by the elastic shrink (``elastic.py``), which also creates pages up to the reserve ahead
+of need.
 
 Pages are mapped in **batches**: every operation that maps several pages of a slot at once (occupy,
 grow, share, look-ahead, prefetch) maps them without access and then grants access with one
@@ -84,7 +86,8 @@ class Slot:
 class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
     """Owns the reservations, the slots and every map/unmap of the vmem backend: the primitives and
     reclamation here, the operations in :class:`~vmkv.vmem.slot_ops.SlotOpsMixin`, the release of
-    idle pages in :class:`~vmkv.vmem.elastic.ElasticMixin`, statistics and checks in :class:`~vmkv.vmem.mapper_check.MapperCheckMixin`.
+    idle pages in :class:`~vmkv.vmem.elastic.ElasticMixin`, statistics and checks in
+    :class:`~vmkv.vmem.mapper_check.MapperCheckMixin`.
 
     Torch-free: it deals in addresses and page handles; the cache makes the tensors over
     :attr:`bases`.
@@ -134,12 +137,14 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
     def _is_claimed(slot: Slot, unit: int) -> bool:
         return slot.seq_id is not None and unit < slot.claimed
 
-    def _access_runs(self, slot: Slot, items: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
-        """``(va, nbytes)`` of the maximal runs of adjacent pages among ``items`` (``(unit, res,
-        page)`` of ``slot``): same reservation, consecutive units."""
+    def _access_runs(self, targets: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``(va, nbytes)`` of the maximal runs of adjacent pages among ``targets`` (``(res, va)`` of
+        one page each): same reservation, consecutive addresses."""
         page_bytes = self.layout.page_size_bytes
+        if len(targets) == 1:
+            return [(targets[0][1], page_bytes)]
         runs: list[list[int]] = []      # [res, va, nbytes]
-        for res, va in sorted((r, self.va(r, slot.index, u)) for u, r, _ in items):
+        for res, va in sorted(targets):
             last = runs[-1] if runs else None
             if last is not None and last[0] == res and last[1] + last[2] == va:
                 last[2] += page_bytes
@@ -154,21 +159,27 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         owns the pages)."""
         if not items:
             return
+        entries, units, bases = self.table.entries, slot.units, self.bases
+        # unit_offset is the slot row's offset plus unit * page_size_bytes (layout.py)
+        row, page_bytes = self.layout.unit_offset(slot.index, 0), self.layout.page_size_bytes
+        targets = []                    # (res, va) per item
         for unit, res, page in items:
             # internal invariant: a shared page sits at one (reservation, unit) in every slot (prefix
             # hits are verified down to their chain position, so a hit's unit is its depth)
-            pos = self.table.position(page)
-            assert pos is None or pos == (res, unit), f"page {page} is at {pos}, cannot map at {(res, unit)}"
-            assert slot.page(unit, res) is None, f"slot {slot.index} unit {unit} res {res} is mapped"
+            e = entries.get(page)
+            assert e is None or e.pos is None or e.pos == (res, unit), \
+                f"page {page} is at {e.pos}, cannot map at {(res, unit)}"
+            assert units.get(unit, (None,) * self.num_res)[res] is None, \
+                f"slot {slot.index} unit {unit} res {res} is mapped"
+            targets.append((res, bases[res] + row + unit * page_bytes))
         drv = self.driver
         done: list[int] = []
         t0 = time.perf_counter_ns()
         try:
-            for unit, res, page in items:
-                va = self.va(res, slot.index, unit)
+            for (_, va), (_, _, page) in zip(targets, items):
                 drv.map(va, page, set_access=False)
                 done.append(va)
-            for va, nbytes in self._access_runs(slot, items):
+            for va, nbytes in self._access_runs(targets):
                 self.num_set_access_calls += 1
                 drv.set_access(va, nbytes)
         except BaseException:
@@ -186,11 +197,11 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.num_maps += n
         self.num_map_batches += 1
         for unit, res, page in items:
-            pages = slot.units.get(unit)
+            pages = units.get(unit)
             if pages is None:
-                pages = slot.units[unit] = [None] * self.num_res
+                pages = units[unit] = [None] * self.num_res
             pages[res] = page
-            self.table.add_mapping(page, res, unit, slot.index, self._is_claimed(slot, unit), self._tick)
+        self.table.add_mappings(items, slot.index, 0 if slot.seq_id is None else slot.claimed, self._tick)
 
     def _unmap(self, slot: Slot, unit: int, res: int) -> int:
         pages = slot.units[unit]
@@ -212,10 +223,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
         old = slot.claimed
         step, units = (1, range(old, claimed)) if claimed > old else (-1, range(claimed, old))
-        for u in units:
-            for p in slot.units.get(u, ()):
-                if p is not None:
-                    self.table.claim(p, step, self._tick)
+        get = slot.units.get
+        self.table.claim_pages([p for u in units for p in get(u, ()) if p is not None], step, self._tick)
         slot.claimed = claimed
 
     def _wait_slot(self, slot: Slot) -> None:

@@ -17,8 +17,6 @@ driver) and goes back to one of two free tiers, as the paged block pool does:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from vmkv.kvcache.errors import KVCacheFullError
 from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.page_table import PageTable
@@ -36,17 +34,25 @@ def creation_out_of_memory(driver, err: VMMError) -> bool:
     return err.out_of_memory and err.call == driver.calls.get("create_page")
 
 
-@contextmanager
-def out_of_memory_is_full(driver, num_tokens: int):
+class out_of_memory_is_full:  # noqa: N801 - used as a function: ``with out_of_memory_is_full(...)``
     """A page the device (or the host file) could not create is a full cache, not a failure: the
-    engine preempts.  The mapper undid the operation before the error left it."""
-    try:
-        yield
-    except VMMError as e:
-        if not creation_out_of_memory(driver, e):
-            raise
-        raise KVCacheFullError(num_tokens, 0, f"{e.call} could not create a page: {e.code}",
-                               transient=True) from e
+    engine preempts (a transient :class:`KVCacheFullError` of ``num_tokens``).  The mapper undid
+    the operation before the error left it.  (A class, not ``@contextmanager``: it wraps every
+    page-boundary ``extend``.)"""
+
+    __slots__ = ("driver", "num_tokens")
+
+    def __init__(self, driver, num_tokens: int) -> None:
+        self.driver, self.num_tokens = driver, num_tokens
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if isinstance(e, VMMError) and creation_out_of_memory(self.driver, e):
+            raise KVCacheFullError(self.num_tokens, 0, f"{e.call} could not create a page: {e.code}",
+                                   transient=True) from e
+        return False
 
 
 class PagePool:
@@ -107,7 +113,8 @@ class PagePool:
         return len(self.table)
 
     def acquire(self) -> int:
-        """Take a plain page (in use, mapped nowhere; the caller maps it, or :meth:`give_back`).  Never evicts a cached page: :meth:`evict` first."""
+        """Take a plain page (in use, mapped nowhere; the caller maps it, or :meth:`give_back`).
+        Never evicts a cached page: :meth:`evict` first."""
         if self._free:
             page = self._free.pop()
         elif self._num_created < self.max_pages:
@@ -118,6 +125,17 @@ class PagePool:
                                          f"({len(self._cached)} cached free)")
         self.table.add(page)
         return page
+
+    def take_free(self, num_pages: int) -> list[int]:
+        """Up to ``num_pages`` plain free pages at once, in the order :meth:`acquire` would hand them
+        out one by one (in use, mapped nowhere); no driver call, never a creation."""
+        k = min(int(num_pages), len(self._free))
+        if k <= 0:
+            return []
+        pages = self._free[-k:][::-1]
+        del self._free[-k:]
+        self.table.add_many(pages)
+        return pages
 
     def top_up(self, num_pages: int) -> int:
         """Create up to ``num_pages`` pages onto the plain free list ahead of need, never beyond

@@ -13,6 +13,8 @@ and the set of slots.
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 __all__ = ["PageTable", "PageEntry"]
 
 
@@ -79,6 +81,13 @@ class PageTable:
         assert page not in self.entries, f"page {page} is already in use"
         self.entries[page] = PageEntry()
 
+    def add_many(self, pages: Iterable[int]) -> None:
+        """:meth:`add` of each of ``pages``."""
+        entries = self.entries
+        for page in pages:
+            assert page not in entries, f"page {page} is already in use"
+            entries[page] = PageEntry()
+
     def remove(self, page: int) -> None:
         """``page`` goes back to a free tier: it must be mapped nowhere."""
         entry = self.entries.get(page)
@@ -99,6 +108,32 @@ class PageTable:
         self.last_use[page] = tick
         self._claim(page, entry, int(claimed))
 
+    def add_mappings(self, items: Sequence[tuple[int, int, int]], slot: int, claimed_units: int,
+                     tick: int) -> None:
+        """:meth:`add_mapping` of each ``(unit, res, page)`` of ``items`` in ``slot`` in one loop; a
+        mapping is claimed when its unit is below ``claimed_units``."""
+        entries, reclaimable, last_use = self.entries, self.reclaimable, self.last_use
+        num_mapped = num_claimed = 0
+        for unit, res, page in items:
+            e = entries[page]
+            assert e.pos is None or e.pos == (res, unit), \
+                f"page {page} is at {e.pos}, cannot map at {(res, unit)}"
+            assert slot not in e.slots, f"page {page} is already mapped in slot {slot}"
+            if not e.slots:
+                num_mapped += 1
+            e.pos = (res, unit)
+            e.slots.add(slot)
+            last_use[page] = tick
+            if unit < claimed_units:
+                num_claimed += not e.num_claimed
+                e.num_claimed += 1
+                reclaimable.discard(page)
+            elif not e.num_claimed:
+                reclaimable.add(page)
+        self.num_mapped_pages += num_mapped
+        self.num_mappings += len(items)
+        self.num_claimed_pages += num_claimed
+
     def remove_mapping(self, page: int, slot: int, claimed: bool) -> int:
         """Drop the mapping of ``page`` in ``slot``; returns the mappings left (at 0 the entry stays
         until :meth:`remove`, the pool's call)."""
@@ -117,6 +152,27 @@ class PageTable:
         if step < 0:
             self.last_use[page] = tick
         self._claim(page, self.entries[page], step)
+
+    def claim_pages(self, pages: Iterable[int], step: int, tick: int) -> None:
+        """:meth:`claim` of each of ``pages`` in one loop (a range of units claimed or released)."""
+        entries, reclaimable, last_use = self.entries, self.reclaimable, self.last_use
+        delta = 0
+        for page in pages:
+            e = entries[page]
+            before = e.num_claimed
+            after = e.num_claimed = before + step
+            assert 0 <= after <= len(e.slots), f"page {page}: {after} claimed of {len(e.slots)} mappings"
+            if step < 0:
+                last_use[page] = tick
+            if not before:
+                delta += 1
+            elif not after:
+                delta -= 1
+            if after:
+                reclaimable.discard(page)
+            else:
+                reclaimable.add(page)
+        self.num_claimed_pages += delta
 
     def _claim(self, page: int, entry: PageEntry, step: int) -> None:
         before = entry.num_claimed
@@ -148,7 +204,8 @@ class PageTable:
                                      f"{sorted(slots)} ({claimed} claimed)")
         expected = {p for p, (_, _, claimed) in mappings.items() if claimed == 0}
         if expected != self.reclaimable:
-            raise AssertionError(f"reclaimable set has {len(self.reclaimable)} pages, expected {len(expected)}")
+            raise AssertionError(f"reclaimable set has {len(self.reclaimable)} pages, "
+                                 f"expected {len(expected)}")
         counts = (sum(1 for *_, c in mappings.values() if c), len(mappings),
                   sum(len(s) for _, s, _ in mappings.values()))
         if counts != (self.num_claimed_pages, self.num_mapped_pages, self.num_mappings):

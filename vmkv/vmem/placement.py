@@ -37,23 +37,24 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
     place costs none, a hole one map, a page to replace or a cached prefix page to move out an
     unmap and a map); then the kept mapping closest to ``num_units`` from above (else the largest
     below); then the lowest index."""
-    refcount, is_cached = mapper.refcount, mapper.prefix.is_cached
-    num_res = mapper.num_res
+    entries, num_res, num_hits = mapper.table.entries, mapper.num_res, len(hits)
+    # no prefix entry at all (prefix caching off, or nothing cached yet): no page is cached
+    is_cached = mapper.prefix.is_cached if len(mapper.prefix) else frozenset().__contains__
 
     def calls(s: Slot) -> int:
         n = num_units * num_res         # a map per position, corrected for what is in place
         for u, pages in s.units.items():
             if u >= num_units:
                 continue
-            for r, p in enumerate(pages):
-                if p is None:
-                    continue
-                if u < len(hits):
-                    n += -1 if p == hits[u][r] else 1
-                elif refcount(p) > 1 or is_cached(p):
-                    n += 1
-                else:
-                    n -= 1
+            if u < num_hits:
+                unit_hits = hits[u]
+                for r, p in enumerate(pages):
+                    if p is not None:
+                        n += -1 if p == unit_hits[r] else 1
+                continue
+            for p in pages:
+                if p is not None:
+                    n += 1 if len(entries[p].slots) > 1 or is_cached(p) else -1
         return n
 
     def lower_key(s: Slot):

@@ -21,8 +21,11 @@ class SlotOpsMixin:
         cached free in the pool and fresh pages take their place.  But when the pool would have to
         evict cached pages anyway, those of them that are least recently used are overwritten in
         place (evicted here: no unmap, no map).  ``exclude``: prefix-hit pages being mapped."""
-        cached = [(u, r, p) for u in units for r, p in enumerate(slot.units.get(u, ()))
-                  if self._is_cached_kept(p)]
+        if not len(self.prefix):
+            return                          # no page holds a prefix-cache unit
+        get, entries, is_cached = slot.units.get, self.table.entries, self.prefix.is_cached
+        cached = [(u, r, p) for u in units for r, p in enumerate(get(u, ()))
+                  if p is not None and is_cached(p) and len(entries[p].slots) == 1]
         if not cached:
             return
         staying = {p for u in units for p in slot.units.get(u, ()) if p is not None}
@@ -48,28 +51,33 @@ class SlotOpsMixin:
         parent page, mapped or cached free) where it returns a page, else a fresh pool page
         (reclaiming kept pages, never a given one, if the pool is short or, with ``reuse``, if
         page creation runs out of memory).  Returns the number of pages mapped."""
-        items: list[tuple[int, int, int | None]] = []
-        for u in units:
-            for r in range(self.num_res):
-                if slot.page(u, r) is None:
-                    items.append((u, r, None if given is None else given(u, r)))
-        if not items:
+        get, res = slot.units.get, range(self.num_res)
+        holes = [(u, r) for u in units if (pages := get(u)) is None or None in pages
+                 for r in res if pages is None or pages[r] is None]
+        if not holes:
             return 0
-        num_fresh = sum(1 for *_, p in items if p is None)
-        # cached free hits leave the pool first, so that reclaiming cannot evict them
-        acquired = [p for *_, p in items if p is not None and self.pool.is_cached_free(p)]
-        for p in acquired:
-            self.pool.revive(p)
-        try:
+        if given is None:
+            items: list = [(u, r, None) for u, r in holes]
+            num_fresh, acquired, exclude = len(items), [], frozenset()
+        else:
+            items = [(u, r, given(u, r)) for u, r in holes]
+            num_fresh = sum(1 for *_, p in items if p is None)
+            # cached free hits leave the pool first, so that reclaiming cannot evict them
+            acquired = [p for *_, p in items if p is not None and self.pool.is_cached_free(p)]
+            for p in acquired:
+                self.pool.revive(p)
             exclude = frozenset(p for *_, p in items if p is not None)
+        try:
             if num_fresh:
                 self._ensure_pool(num_fresh, exclude)
-            for i, (u, r, p) in enumerate(items):
-                if p is None:
-                    p = self._acquire(exclude, num_fresh) if reuse else self.pool.acquire()
-                    num_fresh -= 1
+                fresh = self.pool.take_free(num_fresh)      # plain free pages first, in one go
+                acquired += fresh
+                while len(fresh) < num_fresh:               # then created (or reused on out of memory)
+                    p = self._acquire(exclude, num_fresh - len(fresh)) if reuse else self.pool.acquire()
+                    fresh.append(p)
                     acquired.append(p)
-                    items[i] = (u, r, p)
+                fresh_pages = iter(fresh)
+                items = [(u, r, next(fresh_pages) if p is None else p) for u, r, p in items]
             self._map_batch(slot, items)
         except BaseException:
             for p in acquired:
@@ -80,19 +88,22 @@ class SlotOpsMixin:
     # ------------------------------------------------------------------ occupy (allocate)
     def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`occupy`."""
-        fresh, leaving = 0, set()
-        for u in range(num_units):
-            for r in range(self.num_res):
-                cur = slot.page(u, r)
-                if u < len(hits):
-                    hit = hits[u][r]
-                    if hit in self.table.reclaimable or self.pool.is_cached_free(hit):
-                        leaving.add(hit)            # becomes claimed
-                elif self._needs_fresh(cur):
+        reclaimable, is_cached_free = self.table.reclaimable, self.pool.is_cached_free
+        leaving = {hit for u in range(min(len(hits), num_units)) for hit in hits[u]
+                   if hit in reclaimable or is_cached_free(hit)}      # hits that become claimed
+        fresh = kept = 0
+        get, entries = slot.units.get, self.table.entries
+        for u in range(len(hits), num_units):
+            pages = get(u)
+            if pages is None:
+                fresh += self.num_res
+                continue
+            for p in pages:
+                if p is None or len(entries[p].slots) > 1:
                     fresh += 1                      # a hole, or a shared kept page to replace
                 else:
-                    leaving.add(cur)                # kept page reused in place
-        return fresh, self.available_pages() - len(leaving)
+                    kept += 1                       # kept page reused in place (one slot: no hit)
+        return fresh, self.available_pages() - len(leaving) - kept
 
     def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> None:
         """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed: units
@@ -101,12 +112,12 @@ class SlotOpsMixin:
         :meth:`_move_out_cached`)."""
         assert slot.is_free, f"slot {slot.index} is live"
         slot.seq_id = seq_id
+        get, entries = slot.units.get, self.table.entries
         for u in range(num_units):
-            for r in range(self.num_res):
-                cur = slot.page(u, r)
+            for r, cur in enumerate(get(u, ())):
                 if cur is None:
                     continue
-                keep = cur == hits[u][r] if u < len(hits) else self.pool.refcount(cur) == 1
+                keep = cur == hits[u][r] if u < len(hits) else len(entries[cur].slots) == 1
                 if not keep:
                     self._wait_slot(slot)
                     self._unmap(slot, u, r)
@@ -125,24 +136,30 @@ class SlotOpsMixin:
     def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`grow`."""
         fresh = leaving = 0
+        get, entries = slot.units.get, self.table.entries
         for u in range(slot.claimed, num_units):
-            for r in range(self.num_res):
-                if self._needs_fresh(slot.page(u, r)):
+            pages = get(u)
+            if pages is None:
+                fresh += self.num_res
+                continue
+            for p in pages:
+                if p is None or len(entries[p].slots) > 1:
                     fresh += 1
                 else:
                     leaving += 1
         cow_units = [u for u in cow_units if u < slot.claimed]
-        fresh += self.plan_writable(slot, cow_units, range(self.num_res))
+        if cow_units:
+            fresh += self.plan_writable(slot, cow_units, range(self.num_res))
         return fresh, self.available_pages() - leaving
 
     def _claim_units(self, slot: Slot, old: int, end: int, reuse: bool = True) -> None:
         """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped
         (after the slot's fence), kept cached pages move out (:meth:`_move_out_cached`), other kept
         pages are reused, holes get fresh pages in one batch; on failure the claim is undone."""
+        get, entries = slot.units.get, self.table.entries
         for u in range(old, end):
-            for r in range(self.num_res):
-                cur = slot.page(u, r)
-                if cur is not None and self.pool.refcount(cur) > 1:
+            for r, cur in enumerate(get(u, ())):
+                if cur is not None and len(entries[cur].slots) > 1:
                     self._wait_slot(slot)
                     self._unmap(slot, u, r)
         self._move_out_cached(slot, range(old, end))
@@ -165,7 +182,8 @@ class SlotOpsMixin:
         page_bytes = self.layout.page_size_bytes
         pairs = []
         for u in cow_units:
-            pairs += self.make_writable(slot, [u], range(self.num_res), copy=u * page_bytes < copy_below_bytes)
+            pairs += self.make_writable(slot, [u], range(self.num_res),
+                                        copy=u * page_bytes < copy_below_bytes)
         return pairs
 
     # ------------------------------------------------------------------ copy-on-write

@@ -109,11 +109,12 @@ class AllocatorEntry:
 
 
 # the factories import their adapter module on first use (one file per peer)
-def _vmem(layout: str, preallocate: bool = False):
+def _vmem(layout: str, preallocate: bool = False, prefetch: bool = False):
     def make(cfg: BenchConfig) -> AllocatorAdapter:
-        from vmkv.compare.alloc_vmem import VMemAdapter
+        from vmkv.compare.alloc_vmem import DEFAULT_CUDA_PREFETCH_TOKENS, VMemAdapter
 
-        return VMemAdapter(cfg, layout, preallocate=preallocate)
+        return VMemAdapter(cfg, layout, preallocate=preallocate,
+                           prefetch_tokens=DEFAULT_CUDA_PREFETCH_TOKENS if prefetch else 0)
     return make
 
 
@@ -136,12 +137,15 @@ ALLOCATORS: dict[str, AllocatorEntry] = {
     "vmem-per_layer": AllocatorEntry(_vmem("per_layer")),
     # every page created up front, as vAttention's pool (no elastic shrink)
     "vmem-prealloc": AllocatorEntry(_vmem("megacache", preallocate=True)),
+    # the engine's prefetch between steps (timed apart and reported), as kvcached's prealloc thread
+    "vmem-prefetch": AllocatorEntry(_vmem("megacache", prefetch=True)),
     "vattention": AllocatorEntry(_vattention(megacache=False), "vattention"),
     "vattention-megacache": AllocatorEntry(_vattention(megacache=True), "vattention"),
     "kvcached": AllocatorEntry(_kvcached, "kvcached"),
     "kvcached-sync": AllocatorEntry(_kvcached, "kvcached", {"KVCACHED_PAGE_PREALLOC_ENABLED": "false"}),
 }
-DEFAULT_ALLOCATORS = ("vmem", "vattention", "kvcached", "vmem-per_layer", "vattention-megacache", "kvcached-sync")
+DEFAULT_ALLOCATORS = ("vmem", "vattention", "kvcached", "vmem-prefetch", "vmem-per_layer",
+                      "vattention-megacache", "kvcached-sync")
 
 
 def missing_reason(name: str, device: str) -> str | None:

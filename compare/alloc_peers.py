@@ -20,7 +20,8 @@ per-layer: a page in each of 64 K/V tensors; kvcached: its compound page) into u
 (vAttention: ``alloc_new_batch_idx`` + ``step``) that backs a new 2048-token prompt.  vAttention's step()
 walks every request slot, so calling it once per sequence change (needed to time one sequence's page
 boundary) inflates its *grow total*; the time in page-boundary calls (*map total*) is the trace-level figure
-to compare.  ``vmem-prealloc`` creates every page up front as vAttention does (``preallocate=True``).
+to compare.  ``vmem-prealloc`` creates every page up front as vAttention does (``preallocate=True``);
+``vmem-prefetch`` also makes the engine's ``prefetch`` call between steps (its total: "+ N prefetch").
 
 Memory: ``torch.cuda.mem_get_info`` used bytes less those before the allocator was built (``device``) and
 the allocator's own count (``held``: vmem ``usage().created_bytes``; vAttention its page pool, created up
@@ -51,7 +52,7 @@ from vmkv.compare.alloc_adapters import (ALLOCATORS, DEFAULT_ALLOCATORS, Allocat
 from vmkv.compare.alloc_kvcached import KvcachedAdapter
 from vmkv.compare.alloc_trace import ADMIT, FREE, GROW, TraceConfig, make_trace, trace_digest
 from vmkv.compare.alloc_vattention import VAttentionAdapter
-from vmkv.compare.alloc_vmem import VMemAdapter
+from vmkv.compare.alloc_vmem import VMemAdapter, prefetch_note
 from vmkv.compare.shapes import SHAPES
 from vmkv.engine.args import parse_size
 
@@ -300,7 +301,8 @@ def rows(results: list[dict]) -> list[list[str]]:
         g, m = r["grow"], r["memory"]
         out.append([r["allocator"], str(g["num_boundary_calls"]), _pair(g["boundary"], "p50_us", "p99_us"),
                     _pair(g["per_2MiB"], "p50_us", "p99_us", digits=2),
-                    f"{report.fmt_num(g['boundary']['total_ms'], 1)} / {report.fmt_num(g['total_ms'], 1)}",
+                    f"{report.fmt_num(g['boundary']['total_ms'], 1)} / {report.fmt_num(g['total_ms'], 1)}"
+                    f"{prefetch_note(r)}",
                     report.fmt_num(r["admit_warm"]["p50_us"] / 1e3, 3),
                     _pair(r["admit_cold"], "p50_us", "max_us", 1e3, 3), report.fmt_bytes(m["peak"]["held_bytes"]),
                     _mem(m["after_burst"]), _mem(m["after_idle"]), _mem(m["after_drop"])])

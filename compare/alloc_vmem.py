@@ -1,20 +1,50 @@
 """vmem as an allocator peer (``vmkv.compare.alloc_peers``): the public ``create_kv_cache("vmem", ...)``
-interface, default options but the layout (and ``preallocate`` for ``vmem-prealloc``)."""
+interface, default options but the layout (and ``preallocate`` for ``vmem-prealloc``).
+
+Between steps the adapter makes the engine's calls: ``release_idle`` (which also keeps the page reserve
+created ahead of need), and, for ``vmem-prefetch``, first ``prefetch`` of every growing sequence's next
+``DEFAULT_CUDA_PREFETCH_TOKENS`` positions, as the engine's runner does while the forward runs (kvcached's
+prealloc thread does the same work off its allocation calls).  The prefetch calls are timed apart and
+reported (``info()["prefetch"]``, and next to the map total in the table: :func:`prefetch_note`), so the
+work moved off the timed grow calls stays visible.
+"""
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from vmkv.compare import report
 from vmkv.compare.alloc_adapters import AllocatorAdapter, BenchConfig, Counters, rand_rows
+from vmkv.engine.config import DEFAULT_CUDA_PREFETCH_TOKENS
+
+__all__ = ["VMemAdapter", "prefetch_note", "DEFAULT_CUDA_PREFETCH_TOKENS"]
+
+
+def prefetch_note(result: dict) -> str:
+    """`` + N prefetch`` (ms the between-steps ``prefetch`` calls took) for a result whose adapter made
+    them, else ``""``: the table shows it next to the map / grow totals."""
+    pf = (result.get("info") or {}).get("prefetch")
+    return f" + {report.fmt_num(pf['total_ms'], 1)} prefetch" if pf and pf["num_calls"] else ""
 
 
 class VMemAdapter(AllocatorAdapter):
-    """vmem through the public interface (``create_kv_cache("vmem", ...)``), default options but the layout."""
+    """vmem through the public interface (``create_kv_cache("vmem", ...)``), default options but the layout.
 
-    def __init__(self, cfg: BenchConfig, layout: str, preallocate: bool = False) -> None:
+    Args:
+        prefetch_tokens: > 0: between steps, ``prefetch`` this many positions past every live sequence's
+            length before ``release_idle`` (the engine's order), timed apart.
+    """
+
+    def __init__(self, cfg: BenchConfig, layout: str, preallocate: bool = False,
+                 prefetch_tokens: int = 0) -> None:
         from vmkv.kvcache import backend_options_class, create_kv_cache
 
-        self.name, self.spec = f"vmem ({layout}{', preallocate' if preallocate else ''})", cfg.spec()
+        extra = ((", preallocate" if preallocate else "")
+                 + (f", prefetch {prefetch_tokens}" if prefetch_tokens else ""))
+        self.name, self.spec = f"vmem ({layout}{extra})", cfg.spec()
+        self.prefetch_tokens, self.prefetch_us = prefetch_tokens, []
         options = {"layout": layout, "preallocate": preallocate}
         if not self.spec.is_cuda:
             options["driver"] = "host"
@@ -60,6 +90,10 @@ class VMemAdapter(AllocatorAdapter):
         self.cache.release_idle(now=time.monotonic() + self._clock_offset_s)
 
     def between_steps(self):
+        if self.prefetch_tokens:         # the engine prefetches while the forward runs, then releases
+            t0 = time.perf_counter_ns()
+            self.cache.prefetch(list(self.lens), self.prefetch_tokens)
+            self.prefetch_us.append((time.perf_counter_ns() - t0) / 1e3)
         self._release()
 
     def idle(self):
@@ -82,8 +116,13 @@ class VMemAdapter(AllocatorAdapter):
         s = self.cache.backend_stats()
         keys = ("layout", "driver", "page_size_bytes", "pages_per_unit", "kv_reserve_bytes", "num_maps",
                 "num_unmaps", "map_us_p50", "map_us_p99", "unmap_us_p50", "unmap_us_p99",
-                "num_pages_created", "num_released_pages")
-        return {"kv_shrink_grace_s": self.grace_s, **{k: s.get(k) for k in keys}}
+                "num_pages_created", "num_released_pages", "num_topped_up_pages", "num_prefetched_pages")
+        us = np.asarray(self.prefetch_us, dtype=np.float64)
+        prefetch = {"tokens": self.prefetch_tokens, "num_calls": int(us.size),
+                    "total_ms": float(us.sum()) / 1e3,
+                    "p50_us": float(np.percentile(us, 50)) if us.size else None,
+                    "p99_us": float(np.percentile(us, 99)) if us.size else None}
+        return {"kv_shrink_grace_s": self.grace_s, **{k: s.get(k) for k in keys}, "prefetch": prefetch}
 
     def close(self):
         self.cache.close()

@@ -157,6 +157,28 @@ def test_vmem_prealloc_holds_its_whole_pool():
     assert r["grow"]["num_boundary_calls"] == r["grow"]["num_calls_that_mapped"] > 0
 
 
+def test_vmem_prefetch_maps_ahead_between_steps_and_reports_the_time_it_took():
+    """vmem-prefetch makes the engine's between-steps ``prefetch`` (16 positions ahead) before
+    ``release_idle``: every boundary's page is mapped before the grow that claims it, so no boundary call
+    maps, and the prefetch calls' own time is reported (and shown next to the map total)."""
+    from vmkv.compare.alloc_vmem import DEFAULT_CUDA_PREFETCH_TOKENS
+
+    r = ap.run_allocator("vmem-prefetch", bench(), CFG)
+    assert r["status"] == "ok" and r["touch_ok"]
+    g, (prompt, final) = r["grow"], _lengths()
+    expected = sum(_pages(final[s], 8) - _pages(prompt[s], 8) for s in prompt)
+    assert g["num_boundary_calls"] == expected > 0 and g["num_calls_that_mapped"] == 0
+    pf = r["info"]["prefetch"]
+    assert pf["tokens"] == DEFAULT_CUDA_PREFETCH_TOKENS and pf["num_calls"] == len(ap.make_trace(CFG))
+    assert pf["total_ms"] > 0 and pf["p50_us"] <= pf["p99_us"]
+    assert r["info"]["num_prefetched_pages"] >= expected
+    assert r["memory"]["after_idle"]["held_bytes"] <= RESERVE
+    assert ap.rows([r])[0][4].endswith(" prefetch")
+    plain = ap.run_allocator("vmem", bench(), CFG)
+    assert plain["info"]["prefetch"]["num_calls"] == 0 and "prefetch" not in ap.rows([plain])[0][4]
+    assert plain["info"]["num_topped_up_pages"] > 0          # release_idle keeps the reserve created
+
+
 # ---------------------------------------------------------------------------------------- fakes
 def _module(name: str, **attrs) -> types.ModuleType:
     m = types.ModuleType(name)

@@ -79,14 +79,16 @@ class VMemStatsMixin:
             return
         t0 = time.perf_counter_ns()
         try:
+            mapper, lookup, num_units = self.mapper, self.seqs.lookup, self.layout.num_units
+            available = mapper.pool.num_available          # changes only when pages get mapped
             for seq_id in seq_ids:
-                if self.mapper.pool.num_available == 0:
+                if available == 0:
                     break
-                seq = self.seqs.lookup(seq_id)
+                seq = lookup(seq_id)
                 if seq is None:
                     continue
-                target = min(self.max_model_len, seq.seq_len + num_tokens)
-                self.mapper.prefetch(seq.units, self.layout.num_units(target))
+                if mapper.prefetch(seq.units, num_units(min(self.max_model_len, seq.seq_len + num_tokens))):
+                    available = mapper.pool.num_available
             self._top_up()
         except VMMError as e:
             if not creation_out_of_memory(self.driver, e):

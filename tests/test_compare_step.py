@@ -56,7 +56,7 @@ def test_compare_step_tiny_both_backends(tmp_path):
         ms = sorted(s["step_s"] * 1e3 for s in p["steps"])
         assert p["floor_ms"] > 0 and ms[0] <= p["step_ms_p10"] <= p["step_ms"] <= p["step_ms_p90"] <= ms[-1]
         assert p["step_ms"] == pytest.approx((ms[1] + ms[2]) / 2) and p["step_ms_max"] == pytest.approx(ms[-1])
-        assert p["alloc_ms_per_step"] == pytest.approx(p["window_kv_s"]["alloc_s"] / steps * 1e3)
+        assert p["alloc_ms_per_step"] == pytest.approx(p["window_kv_s"]["alloc_s"] / (steps + 1) * 1e3)
         assert p["kv_bytes_read"] == pytest.approx(sum(kv) / len(kv) * bpt)
         assert p["floor_ms"] == pytest.approx((weight_bytes + p["kv_bytes_read"]) / p["read_bytes_per_s"] * 1e3)
         assert p["floor_over_step"] == pytest.approx(p["floor_ms"] / p["step_ms"])
@@ -174,3 +174,60 @@ def test_step_error_line_and_duplicate_backends():
         plan(_args("--backends", "paged,paged"))
     with pytest.raises(ValueError, match="timeout"):
         plan(_args("--timeout-s", "-5"))
+
+
+class _FakeEngine:
+    """Just enough of LLMEngine for ``run_point``: every ``step()`` gives each request one token and
+    spends exactly 1 ms allocating, 2 ms prefetching and 3 ms releasing KV."""
+
+    def __init__(self):
+        import types
+
+        import torch
+
+        self.device = torch.device("cpu")
+        self.model_config = types.SimpleNamespace(vocab_size=100)
+        self.runner = types.SimpleNamespace(release_time_s_total=0.0)
+        self.rids, self.num_calls, self.prompt, self.gen = [], 0, 0, 0
+
+    def add_request(self, rid, prompt, params, prompt_token_ids):
+        self.rids.append(rid)
+        self.prompt += len(prompt_token_ids)
+
+    def step(self):
+        import types
+
+        self.num_calls += 1
+        self.runner.release_time_s_total += 3e-3
+        self.gen += len(self.rids)
+        return [types.SimpleNamespace(error=None, request_id=r, outputs=[types.SimpleNamespace(
+            delta_token_ids=[1])]) for r in self.rids]
+
+    def get_stats(self):
+        import types
+
+        return types.SimpleNamespace(alloc_time_s_total=1e-3 * self.num_calls,
+                                     prefetch_time_s_total=2e-3 * self.num_calls,
+                                     num_generation_tokens_total=self.gen, num_prompt_tokens_total=self.prompt,
+                                     num_running_seqs=len(self.rids))
+
+    def abort_request(self, rid):
+        self.rids.remove(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.rids)
+
+
+def test_kv_time_per_step_divides_by_the_steps_that_spent_it():
+    """The window runs ``steps + 1`` calls of ``engine.step()`` (the first interval is dropped): its KV
+    time totals cover all of them, so the per-step figures divide by ``steps + 1``, not ``steps``."""
+    from vmkv.compare.step_worker import run_point
+
+    cfg = {"seed": 0, "max_num_batched_tokens": 16384, "warmup_steps": 1, "steps": 4, "profile_steps": 0,
+           "temperature": 0.0}
+    p = run_point(_FakeEngine(), 2, 8, cfg, weight_bytes=1000, bytes_per_token=8, bw=1e9)
+    assert p["num_steps"] == len(p["steps"]) == 4
+    assert p["window_kv_s"]["num_calls"] == 5 and p["window_kv_s"]["alloc_s"] == pytest.approx(5e-3)
+    assert p["alloc_ms_per_step"] == pytest.approx(1.0)
+    assert p["prefetch_ms_per_step"] == pytest.approx(2.0)
+    assert p["release_ms_per_step"] == pytest.approx(3.0)

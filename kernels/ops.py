@@ -97,17 +97,35 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torc
 
 def _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                       max_seq_len, scale, block_tables=None, slot_indices=None, key_anchor=None,
-                      value_anchor=None, num_splits=0, workspace=None):
+                      value_anchor=None, num_splits=0, workspace=None, num_decodes=0):
+    """Decode kernel for a decode step; for a mixed step, the decode kernel over its leading
+    ``num_decodes`` one-token rows and the prefill kernel over the rest, both writing one output."""
     anchors = {"key_anchor": key_anchor, "value_anchor": value_anchor}
+    from vmkv.kernels.decode_attention import decode_attention
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
-        from vmkv.kernels.decode_attention import decode_attention
         return decode_attention(q, key_cache, value_cache, seq_lens, max_seq_len=max_seq_len,
                                 scale=scale, block_tables=block_tables, slot_indices=slot_indices,
                                 num_splits=num_splits or None, workspace=workspace, **anchors)
     from vmkv.kernels.prefill_attention import prefill_attention
-    return prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
-                             max_query_len=max_query_len, scale=scale, block_tables=block_tables,
-                             slot_indices=slot_indices, **anchors)
+    num_seqs = seq_lens.shape[0]
+    nd = int(num_decodes)
+    if not 0 < nd < num_seqs:
+        return prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
+                                 max_query_len=max_query_len, scale=scale, block_tables=block_tables,
+                                 slot_indices=slot_indices, **anchors)
+    # the first nd sequences own tokens 0 .. nd - 1 (one each); the prefill kernel indexes q and out
+    # by query_start_loc, so the rest keep their absolute token offsets
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    table = {"block_tables": None if block_tables is None else block_tables[:nd],
+             "slot_indices": None if slot_indices is None else slot_indices[:nd]}
+    decode_attention(q[:nd], key_cache, value_cache, seq_lens[:nd], max_seq_len=max_seq_len,
+                     scale=scale, out=out[:nd], num_splits=num_splits or None, workspace=workspace,
+                     **table, **anchors)
+    table = {"block_tables": None if block_tables is None else block_tables[nd:],
+             "slot_indices": None if slot_indices is None else slot_indices[nd:]}
+    prefill_attention(q, key_cache, value_cache, query_start_loc[nd:], seq_lens[nd:],
+                      max_query_len=max_query_len, scale=scale, out=out, **table, **anchors)
+    return out
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -115,7 +133,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     seq_lens: torch.Tensor, *, seq_lens_host: list[int], query_lens_host: list[int],
                     max_query_len: int, max_seq_len: int, scale: float,
                     impl: str = "auto", num_splits: int = 0,
-                    workspace: dict | None = None) -> torch.Tensor:
+                    workspace: dict | None = None, num_decodes: int = 0) -> torch.Tensor:
     """Causal attention over a paged cache.
 
     A decode batch (``max_query_len == 1``) runs the split-K decode kernel, anything else the
@@ -131,6 +149,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         impl: ``"auto" | "triton" | "torch" | "sdpa"`` (module docstring).
         num_splits, workspace: the step's decode plan (:func:`plan_decode`; 0: chosen per call) and
             its per-step scratch dict (Triton decode only).
+        num_decodes: leading sequences with one new token (``AttentionMetadata.num_decodes``): in a
+            mixed step the Triton path runs them through the decode kernel (planned by
+            ``num_splits``), the rest through the prefill kernel; 0 runs the whole step through the
+            prefill kernel.
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
     Raises:
@@ -141,7 +163,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, block_tables=block_tables, num_splits=num_splits,
-                                 workspace=workspace)
+                                 workspace=workspace, num_decodes=num_decodes)
     if chosen == "sdpa":
         from vmkv.kernels.sdpa import sdpa_paged_attention
         return sdpa_paged_attention(q, key_cache, value_cache, block_tables, seq_lens_host,
@@ -157,7 +179,7 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                          scale: float, slot_indices_host: list[int] | None = None,
                          impl: str = "auto", key_anchor: torch.Tensor | None = None,
                          value_anchor: torch.Tensor | None = None, num_splits: int = 0,
-                         workspace: dict | None = None) -> torch.Tensor:
+                         workspace: dict | None = None, num_decodes: int = 0) -> torch.Tensor:
     """Causal attention over virtually contiguous slots.
 
     Args:
@@ -171,7 +193,7 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         key_anchor, value_anchor: optional always-backed elements at or below the views, passed to the
             Triton launches instead of the views' first elements (:func:`_checks.launch_base`); the
             torch and sdpa paths index the views directly (only backed slot rows).
-        num_splits, workspace: as :func:`paged_attention`.
+        num_splits, workspace, num_decodes: as :func:`paged_attention`.
     Returns:
         ``[num_tokens, num_heads, D]`` in ``q.dtype``.
     Raises:
@@ -182,7 +204,8 @@ def contiguous_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if chosen == "triton":
         return _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, scale, slot_indices=slot_indices, key_anchor=key_anchor,
-                                 value_anchor=value_anchor, num_splits=num_splits, workspace=workspace)
+                                 value_anchor=value_anchor, num_splits=num_splits, workspace=workspace,
+                                 num_decodes=num_decodes)
     slots = slot_indices_host if slot_indices_host is not None else slot_indices
     if chosen == "sdpa":
         from vmkv.kernels.sdpa import sdpa_slot_attention

@@ -219,7 +219,7 @@ class PagedKVCache(KVCacheCore):
             meta.query_start_loc, meta.seq_lens, seq_lens_host=meta.seq_lens_host,
             query_lens_host=meta.query_lens_host, max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len, scale=scale, num_splits=meta.num_splits,
-            workspace=meta.workspace)
+            workspace=meta.workspace, num_decodes=meta.num_decodes)
 
     # ------------------------------------------------------------------ introspection hooks
     def _memory_usage(self) -> dict:

@@ -345,14 +345,15 @@ def test_prefill_rejects_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------- ops dispatch
-def _step(layout: str, seq_lens: list[int], query_lens: list[int], impl: str, dtype=torch.float16):
-    gen = _gen(50)
+def _step(layout: str, seq_lens: list[int], query_lens: list[int], impl: str, dtype=torch.float16,
+          num_decodes: int = 0, seed: int = 50):
+    gen = _gen(seed)
     cache = Cache(layout, seq_lens, 2, 32, dtype, gen)
     q = _randn(sum(query_lens), 8, 32, dtype=dtype, gen=gen)
     common = dict(query_start_loc=_query_start_loc(query_lens),
                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
                   seq_lens_host=seq_lens, query_lens_host=query_lens, max_query_len=max(query_lens),
-                  max_seq_len=max(seq_lens), scale=32 ** -0.5, impl=impl)
+                  max_seq_len=max(seq_lens), scale=32 ** -0.5, impl=impl, num_decodes=num_decodes)
     if cache.paged:
         out = ops.paged_attention(q, cache.key, cache.value, cache.block_tables, **common)
     else:
@@ -367,6 +368,20 @@ def _step(layout: str, seq_lens: list[int], query_lens: list[int], impl: str, dt
                          ids=["decode", "mixed"])
 def test_ops_dispatch_matches_reference(layout, impl, lens):
     out, expected = _step(layout, *lens, impl=impl)
+    _assert_matches(out, expected, torch.float16)
+
+
+@pytest.mark.parametrize("layout", ["paged16", "megacache", "per_layer"])
+@pytest.mark.parametrize("num_decodes, lens", [
+    (2, ([19, 7, 33, 40], [1, 1, 5, 40])),          # decodes, then a chunk and a whole prompt
+    (1, ([64, 3], [1, 3])),                         # one decode before one prefill
+    (3, ([5, 70, 1, 24], [1, 1, 1, 24])),           # a one-token prompt among the decodes
+])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_step_splits_decode_rows_from_prefill_rows(layout, num_decodes, lens, seed):
+    """A mixed step with ``num_decodes`` leading one-token rows runs them through the decode kernel and
+    the rest through the prefill kernel; the one output equals the float64 reference everywhere."""
+    out, expected = _step(layout, *lens, impl="triton", num_decodes=num_decodes, seed=seed)
     _assert_matches(out, expected, torch.float16)
 
 

@@ -152,3 +152,27 @@ def test_steps_do_not_share_buffers_on_cpu():
     a = build_metadata([StepSeq(1, 4, 1)], device=CPU, slot_index=slot_of)
     b = build_metadata([StepSeq(2, 8, 1)], device=CPU, slot_index=slot_of)
     assert a.seq_lens.tolist() == [5] and b.seq_lens.tolist() == [9]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_num_decodes_is_the_leading_run_of_one_token_rows_and_is_planned(seed):
+    """``num_decodes`` counts the batch's leading one-token rows (all of them in a decode step); the
+    decode plan is asked for those rows and their longest context, and only when there are some."""
+    rng = random.Random(seed)
+    batch = [StepSeq(i, rng.randint(0, 40), rng.choice([1, 1, 1, rng.randint(1, 9)])) for i in range(rng.randint(1, 9))]
+    lead = 0
+    while lead < len(batch) and batch[lead].num_new_tokens == 1:
+        lead += 1
+    asked = []
+
+    def plan(rows, longest):
+        asked.append((rows, longest))
+        return 7
+    meta = build_metadata(batch, device=CPU, slot_index=slot_of, plan=plan)
+    assert meta.num_decodes == lead
+    if lead == len(batch):
+        assert asked == [(lead, max(e.num_computed_tokens + 1 for e in batch))] and meta.num_splits == 7
+    elif lead:
+        assert asked == [(lead, max(e.num_computed_tokens + 1 for e in batch[:lead]))] and meta.num_splits == 7
+    else:
+        assert asked == [] and meta.num_splits == 0

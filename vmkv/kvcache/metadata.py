@@ -150,7 +150,8 @@ def build_metadata(batch: Sequence[StepSeq], *, device: torch.device,
         out: a uint8 device buffer to copy into (a captured graph's static buffer).
         staging: the cache's :class:`StepStaging` (pinned, double-buffered); default: a fresh one.
         plan: ``plan(rows, longest context) -> num_splits``, the decode split-K plan, called for
-            decode steps only (default: 0, the kernel chooses per call).
+            decode steps and for the leading decode rows of a mixed step (``num_decodes``;
+            default: 0, the kernel chooses per call).
     Raises:
         ValueError: an empty batch (without ``pad_to``), an entry with no new tokens, not exactly one
             of ``slot_index`` / ``slot_mapping``, a ``slot_mapping`` of the wrong length, ``pad_to``
@@ -223,6 +224,13 @@ def build_metadata(batch: Sequence[StepSeq], *, device: torch.device,
     seq_lens_host = seq_lens.tolist()
     is_decode = all(q == 1 for q in qlens_host)
     max_seq_len = max(seq_lens_host, default=1)
+    # the leading one-token rows (decodes come first in the scheduler's batch)
+    num_decodes = n if is_decode else int(np.argmax(qlens != 1))
+    num_splits = 0
+    if plan is not None and is_decode:
+        num_splits = plan(rows, max_seq_len)
+    elif plan is not None and num_decodes:
+        num_splits = plan(num_decodes, int(seq_lens[:num_decodes].max()))
     return AttentionMetadata(
         seq_ids=[e.seq_id for e in batch],
         query_start_loc=tensor("query_start_loc"),
@@ -240,5 +248,6 @@ def build_metadata(batch: Sequence[StepSeq], *, device: torch.device,
         query_lens_host=qlens_host,
         slot_indices_host=(None if slot_indices is None else
                            slot_indices.tolist() if hasattr(slot_indices, "tolist") else list(slot_indices)),
-        num_splits=plan(rows, max_seq_len) if plan is not None and is_decode else 0,
+        num_splits=num_splits,
+        num_decodes=num_decodes,
     )

@@ -111,7 +111,13 @@ class AttentionMetadata:
             last new token (where logits are read).
         slot_indices_host: vmem: the slots as host ints (the sdpa and reference paths).
     Launch plan (decided once per step, not per layer):
-        num_splits: split-K chunks of the decode kernel (0: chosen per call from ``max_seq_len``).
+        num_splits: split-K chunks of the decode kernel (0: chosen per call from ``max_seq_len``);
+            in a mixed step, the plan of its decode rows.
+        num_decodes: the leading sequences of the batch with one new token each (the scheduler puts
+            decodes first, as vLLM v1 orders its batch); ``num_seqs`` for a decode step.  A mixed
+            step runs these rows through the decode kernel and only the rest through the prefill
+            kernel, whose query tiles would otherwise hold one real row out of ``BLOCK_M`` and read
+            the context once per query head instead of once per KV head.
         workspace: scratch tensors a kernel allocates on its first layer and reuses in the others.
         num_padded_seqs: rows of the device tensors; above ``num_seqs`` when ``prepare(pad_to=)``
             padded a decode step to a captured CUDA graph's batch size (padding rows: seq_len 0,
@@ -137,6 +143,7 @@ class AttentionMetadata:
     # the step's launch plan, decided once in prepare(): decode split-K chunks (0: the kernel
     # chooses) and per-step workspaces the kernels fill on first use and reuse in every layer
     num_splits: int = 0
+    num_decodes: int = 0
     workspace: dict = field(default_factory=dict)
     @property
     def num_padded_seqs(self) -> int:

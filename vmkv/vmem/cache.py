@@ -284,7 +284,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
             slot_indices_host=meta.slot_indices_host, key_anchor=self._k_anchor[layer],
             value_anchor=self._v_anchor[layer], num_splits=meta.num_splits, workspace=meta.workspace,
-            **extra)
+            num_decodes=meta.num_decodes, **extra)
 
     def _close(self) -> None:
         self._k = self._v = self._k_anchor = self._v_anchor = None

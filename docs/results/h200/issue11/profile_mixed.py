@@ -59,20 +59,31 @@ def gemm_ceiling() -> list:
     return rows
 
 
+#: a smoke run on a CPU: PROFILE_SMOKE=1 (tiny model, few requests)
+SMOKE = os.environ.get("PROFILE_SMOKE") == "1"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run(backend: str, out_dir: str) -> dict:
-    engine = LLMEngine.from_args(model=None, kv_backend=backend, device="cuda", dtype="bfloat16",
-                                 random_weights="llama3-8b", max_num_seqs=256, max_num_batched_tokens=8192,
-                                 max_model_len=2304, seed=0, memory_bytes=64 << 30)
+    engine = LLMEngine.from_args(model=None, kv_backend=backend, device="cpu" if SMOKE else "cuda",
+                                 dtype="float32" if SMOKE else "bfloat16",
+                                 random_weights="tiny" if SMOKE else "llama3-8b", max_num_seqs=256,
+                                 max_num_batched_tokens=8192, max_model_len=2048 if SMOKE else 2304, seed=0,
+                                 memory_bytes=(256 << 20) if SMOKE else 64 << 30)
     rng = random.Random(0)
-    lens = [rng.randint(512, 2048) for _ in range(256)]
+    lens = [rng.randint(512, 1700 if SMOKE else 2048) for _ in range(12 if SMOKE else 256)]
     # warm-up: one short request compiles the prefill and decode kernels
     engine.add_request("warm", None, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
-                       prompt_token_ids=[rng.randint(10, 30000) for _ in range(700)])
+                       prompt_token_ids=[rng.randint(10, 300) for _ in range(700)])
     while engine.has_unfinished_requests():
         engine.step()
     for i, n in enumerate(lens):
         engine.add_request(f"r{i}", None, SamplingParams(temperature=1.0, max_tokens=256, ignore_eos=True),
-                           prompt_token_ids=[rng.randint(10, 30000) for _ in range(n)])
+                           prompt_token_ids=[rng.randint(10, 300) for _ in range(n)])
     steps, profiled = [], []
     prompt_left = sum(lens)
     sched_seen = []
@@ -85,14 +96,14 @@ def run(backend: str, out_dir: str) -> dict:
     engine.scheduler.schedule = spy
     i = 0
     while prompt_left > 0 and i < 400:
-        torch.cuda.synchronize()
+        sync()
         prof = None
-        if i in (10, 20, 30):
-            prof = profile(activities=[ProfilerActivity.CUDA])
+        if i in ((1, 2) if SMOKE else (10, 20, 30)):
+            prof = profile(activities=[ProfilerActivity.CPU if SMOKE else ProfilerActivity.CUDA])
             prof.__enter__()
         t0 = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
+        sync()
         ms = (time.perf_counter() - t0) * 1e3
         sched = sched_seen[-1]
         pre = sum(s.num_new_tokens for s in sched.scheduled if s.is_prefill)
@@ -104,7 +115,7 @@ def run(backend: str, out_dir: str) -> dict:
             by_kind: dict = {}
             top: dict = {}
             for e in prof.events():
-                if e.device_type.name != "CUDA":
+                if e.device_type.name != ("CPU" if SMOKE else "CUDA"):
                     continue
                 us = e.device_time if hasattr(e, "device_time") else e.cuda_time
                 k = kind_of(e.name)
@@ -118,7 +129,7 @@ def run(backend: str, out_dir: str) -> dict:
         steps.append(row)
         i += 1
     engine.scheduler.schedule = orig
-    for r in range(256):
+    for r in range(len(lens)):
         engine.abort_request(f"r{r}")
     while engine.has_unfinished_requests():
         engine.step()
@@ -136,7 +147,7 @@ def run(backend: str, out_dir: str) -> dict:
 if __name__ == "__main__":
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
-    result = {"gemm_m8192": gemm_ceiling()}
+    result = {"gemm_m8192": [] if SMOKE else gemm_ceiling()}
     print(json.dumps(result["gemm_m8192"]), flush=True)
     result["runs"] = [run(b, out) for b in sys.argv[2:] or ["paged", "vmem"]]
     with open(os.path.join(out, "profile_mixed.json"), "w") as f:

@@ -148,6 +148,18 @@ def _drive(engine, requests: list[Request], temperature: float, online: bool, sa
     return finished, start, time.perf_counter()
 
 
+def _warm_mixed(engine, requests: list[Request], temperature: float) -> None:
+    """Run ``requests[0]`` until it decodes, then add the rest (prompts beside a decode), to the end."""
+    first, rest = requests[0], requests[1:]
+    engine.add_request(first.request_id, None, _params(first, temperature), prompt_token_ids=first.prompt_token_ids)
+    for _ in range(2):
+        engine.step()
+    for r in rest:
+        engine.add_request(r.request_id, None, _params(r, temperature), prompt_token_ids=r.prompt_token_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def _backend_snapshot(kv_cache) -> tuple[dict, dict[str, list[float]]]:
     """``(kv_cache.backend_stats(), kv_cache.backend_samples())``: the backend's counters and its raw
     per-event samples (vmem: ``map_us``/``unmap_us``; ``{}`` for a backend that keeps none)."""
@@ -217,6 +229,13 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
             r.request_id = f"warmup-{i}-{r.request_id}"
         _drive(engine, wreqs, temperature, online=False, sampler=None)
         _drive(engine, short, temperature, online=False, sampler=None)
+        # then a prompt admitted while another request decodes: a mixed step (decode rows through
+        # the decode kernel, the prompt through the prefill kernel) before the measured run
+        mixed = generate(WorkloadSpec(num_requests=2, input_len=f"{max(1, max_prompt // 4)}..{max(1, max_prompt // 2)}",
+                                      output_len="6", seed=spec.seed + 7921), engine.model_config.vocab_size)
+        for i, r in enumerate(mixed):
+            r.request_id = f"warmup-mixed-{i}-{r.request_id}"
+        _warm_mixed(engine, mixed, temperature)
     warmup_s = time.perf_counter() - t_warm
     if cuda_device is not None:
         torch.cuda.synchronize(cuda_device)

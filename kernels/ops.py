@@ -113,18 +113,18 @@ def _triton_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_
         return prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
                                  max_query_len=max_query_len, scale=scale, block_tables=block_tables,
                                  slot_indices=slot_indices, **anchors)
-    # the first nd sequences own tokens 0 .. nd - 1 (one each); the prefill kernel indexes q and out
-    # by query_start_loc, so the rest keep their absolute token offsets
+    # the first nd sequences own tokens 0 .. nd - 1 (one each); the prefill kernel starts at
+    # sequence nd of the same tensors (sliced pointers would change their alignment with nd, and
+    # Triton compiles a variant per alignment)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    table = {"block_tables": None if block_tables is None else block_tables[:nd],
-             "slot_indices": None if slot_indices is None else slot_indices[:nd]}
+    head = {"block_tables": None if block_tables is None else block_tables[:nd],
+            "slot_indices": None if slot_indices is None else slot_indices[:nd]}
     decode_attention(q[:nd], key_cache, value_cache, seq_lens[:nd], max_seq_len=max_seq_len,
                      scale=scale, out=out[:nd], num_splits=num_splits or None, workspace=workspace,
-                     **table, **anchors)
-    table = {"block_tables": None if block_tables is None else block_tables[nd:],
-             "slot_indices": None if slot_indices is None else slot_indices[nd:]}
-    prefill_attention(q, key_cache, value_cache, query_start_loc[nd:], seq_lens[nd:],
-                      max_query_len=max_query_len, scale=scale, out=out, **table, **anchors)
+                     **head, **anchors)
+    prefill_attention(q, key_cache, value_cache, query_start_loc, seq_lens, max_query_len=max_query_len,
+                      scale=scale, out=out, block_tables=block_tables, slot_indices=slot_indices,
+                      seq_start=nd, **anchors)
     return out
 
 

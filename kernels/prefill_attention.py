@@ -55,9 +55,11 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, table_row, n0, qpos, seq_len,
     return acc, m_new, l_i
 
 
-@triton.jit
+# seq_start: a mixed step's first prompt row (its decode rows run in the decode kernel); not
+# specialized, so every split of a mixed step runs the same compiled variant
+@triton.jit(do_not_specialize=["seq_start"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, qsl_ptr, seq_lens_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, qsl_ptr, seq_lens_ptr, seq_start,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     kc_s0, kc_s1, kc_sh, vc_s0, vc_s1, vc_sh, kc_off, vc_off,
@@ -70,7 +72,7 @@ def _prefill_kernel(
     # the longest query tiles (most KV tiles under the diagonal) are launched first
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64) + seq_start
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if mb * BLOCK_M < q_len:
@@ -140,7 +142,8 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       key_anchor: torch.Tensor | None = None,
                       value_anchor: torch.Tensor | None = None,
                       out: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                      config: tuple[int, int, int, int] | None = None,
+                      seq_start: int = 0) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its cached prefix and themselves.
 
     Exactly one of ``block_tables`` (paged) and ``slot_indices`` (contiguous vmem slots) is given.
@@ -162,6 +165,9 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
             as the launch's pointers (:func:`vmkv.kernels._checks.launch_base`).
         out: optional ``[num_tokens, num_heads, head_dim]`` output in ``q.dtype``.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` override.
+        seq_start: attend only sequences ``seq_start ..`` (a mixed step whose first ``seq_start``
+            one-token rows the decode kernel handles); their tokens keep their offsets in ``q`` and
+            ``out``, the rest of ``out`` is left as it was.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
@@ -192,15 +198,17 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with stride(-1) == 1")
-    if num_tokens == 0 or num_seqs == 0:
+    if isinstance(seq_start, bool) or not isinstance(seq_start, int) or not 0 <= seq_start <= max(num_seqs, 0):
+        raise ValueError(f"seq_start must be an int in [0, num_seqs={num_seqs}], got {seq_start!r}")
+    if num_tokens == 0 or num_seqs == seq_start:
         return out
     block_d = _checks.head_block(head_dim)
     block_m, block_n, num_warps, num_stages = config or default_config(head_dim, max_query_len, q.dtype)
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs - seq_start)
     kc_ptr, kc_off = _checks.launch_base("key_cache", key_cache, key_anchor)
     vc_ptr, vc_off = _checks.launch_base("value_cache", value_cache, value_anchor)
     _prefill_kernel[grid](
-        q, kc_ptr, vc_ptr, out, table, query_start_loc, seq_lens,
+        q, kc_ptr, vc_ptr, out, table, query_start_loc, seq_lens, seq_start,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

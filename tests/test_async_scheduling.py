@@ -87,14 +87,32 @@ def test_async_under_preemption_and_abort(backend):
     eng.close()
 
 
-def test_schedule_ahead_only_for_a_plain_decode_step():
+def test_schedule_ahead_admits_prompts_behind_the_decodes_fed_from_the_device():
+    """The step ahead of a prefill: the sequence that sampled leads with one device-fed token, then a
+    waiting prompt is admitted with the rest of the budget (a mixed step planned ahead)."""
     eng = _engine("paged", True)
     eng.add_request("a", None, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                     prompt_token_ids=[5, 6, 7])
     sched = eng.scheduler.schedule()            # the prefill samples its first token
     eng.steps.runner.execute(sched)             # backs the next position too
     eng.add_request("b", None, SamplingParams(temperature=0.0, max_tokens=3), prompt_token_ids=[8, 9])
-    assert schedule_ahead(eng.scheduler, sched) is None         # "b" waits for admission
+    ahead = schedule_ahead(eng.scheduler, sched)
+    assert [(s.seq.group.request_id, s.num_computed_tokens, s.num_new_tokens, s.ahead)
+            for s in ahead.scheduled] == [("a", 3, 1, True), ("b", 0, 2, False)]
+    assert eng.scheduler.running[0].num_computed_tokens == 4     # past the token still in flight
+    eng.close()
+
+
+def test_schedule_ahead_falls_back_for_forks_and_preemption():
+    """``n > 1`` (the first token forks the request) and a step that preempted: no step ahead."""
+    eng = _engine("paged", True)
+    eng.add_request("f", None, SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=5, ignore_eos=True),
+                    prompt_token_ids=[5, 6, 7])
+    sched = eng.scheduler.schedule()
+    eng.steps.runner.execute(sched)
+    assert schedule_ahead(eng.scheduler, sched) is None
+    sched.preempted.append(sched.scheduled[0].seq)
+    assert schedule_ahead(eng.scheduler, sched) is None
     eng.close()
 
 
@@ -158,3 +176,66 @@ def test_a_step_ahead_left_in_flight_by_finished_requests_does_not_delay_the_nex
         eng.close()
     assert res[False][1] == [("b", [319], True)]
     assert res[True] == res[False]
+
+
+def _random_workload(seed: int, vocab: int):
+    """Requests with their arrival step: greedy and seeded sampling, stop tokens, n = 2, prompts of
+    1..70 tokens (chunked by small budgets), arriving while others decode."""
+    import random
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(rng.randint(3, 9)):
+        prompt = [rng.randint(3, vocab - 1) for _ in range(rng.randint(1, 70))]
+        kind = rng.random()
+        if kind < 0.15:
+            params = SamplingParams(n=2, temperature=0.9, seed=i, max_tokens=rng.randint(1, 8), ignore_eos=True)
+        elif kind < 0.4:
+            params = SamplingParams(temperature=0.7, seed=100 + i, max_tokens=rng.randint(1, 16),
+                                    stop_token_ids=[rng.randint(3, vocab - 1) for _ in range(20)])
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 16), ignore_eos=rng.random() < 0.8)
+        reqs.append((rng.randint(0, 12), f"q{i}", prompt, params))
+    knobs = dict(max_num_batched_tokens=rng.choice([8, 16, 33, 64]), max_num_seqs=rng.choice([2, 3, 5]))
+    return sorted(reqs, key=lambda r: r[0]), knobs
+
+
+def _run_arrivals(engine: LLMEngine, reqs) -> dict:
+    pending, final, step = list(reqs), {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, None, params, prompt_token_ids=prompt)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = ([list(c.token_ids) for c in out.outputs],
+                                         [c.finish_reason for c in out.outputs])
+        engine.kv_cache.check_integrity()
+        step += 1
+    return final
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("seed", range(10))
+def test_mixed_steps_planned_ahead_give_the_outputs_of_sync_scheduling(backend, seed):
+    """Prompts arriving while others decode: async scheduling plans mixed steps (device-fed decode rows,
+    then prompt chunks and admissions) ahead; every request's tokens and finish reasons equal
+    synchronous scheduling's, steps were planned ahead with prompts in them, and the KV accounting
+    returns to zero."""
+    probe = _engine(backend, False)
+    reqs, knobs = _random_workload(seed, probe.model_config.vocab_size)
+    probe.close()
+    sync, asy = _engine(backend, False, **knobs), _engine(backend, True, **knobs)
+    mixed_ahead = []
+    orig = asy.steps.runner.launch
+
+    def launch(sched, input_ids=None):
+        if any(s.ahead for s in sched.scheduled) and any(s.is_prefill for s in sched.scheduled):
+            mixed_ahead.append(len(sched.scheduled))
+        return orig(sched, input_ids)
+    asy.steps.runner.launch = launch
+    want, got = _run_arrivals(sync, reqs), _run_arrivals(asy, reqs)
+    assert got == want
+    assert mixed_ahead or len(reqs) < 2 or seed not in (0, 1, 2), "no mixed step was planned ahead"
+    for eng in (sync, asy):
+        assert eng.kv_cache.usage().used_tokens == 0 and not eng.scheduler.running
+        eng.close()

@@ -292,6 +292,29 @@ def test_prefill_matches_reference(layout, group):
     _assert_matches(out, expected, dtype)
 
 
+@pytest.mark.parametrize("layout", ["paged16", "megacache"])
+@pytest.mark.parametrize("seq_start", [1, 2, 3])
+def test_prefill_seq_start_attends_the_later_sequences_only(layout, seq_start):
+    """``seq_start=k``: the first k sequences' rows of ``out`` stay as they were (NaN poison), the rest
+    equal the float64 reference."""
+    gen = _gen(60 + seq_start)
+    seq_lens, query_lens = [9, 30, 17, 40], [1, 4, 17, 11]
+    cache = Cache(layout, seq_lens, 2, 16, torch.float16, gen)
+    q = _randn(sum(query_lens), 4, 16, dtype=torch.float16, gen=gen)
+    expected = cache.reference(q, query_lens, 0.25)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, cache.key, cache.value, _query_start_loc(query_lens),
+                      torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), max_query_len=max(query_lens),
+                      scale=0.25, out=out, seq_start=seq_start, **cache.kwargs())
+    first = sum(query_lens[:seq_start])
+    assert torch.isnan(out[:first]).all()
+    _assert_matches(out[first:], expected[first:], torch.float16)
+    with pytest.raises(ValueError, match="seq_start"):
+        prefill_attention(q, cache.key, cache.value, _query_start_loc(query_lens),
+                          torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                          max_query_len=max(query_lens), scale=0.25, seq_start=5, **cache.kwargs())
+
+
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_key_and_value_caches_with_different_strides(paged):
     """K in its own tensor, V a strided view of a larger one: the V row offsets are computed apart."""

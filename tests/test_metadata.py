@@ -176,3 +176,14 @@ def test_num_decodes_is_the_leading_run_of_one_token_rows_and_is_planned(seed):
         assert asked == [(lead, max(e.num_computed_tokens + 1 for e in batch[:lead]))] and meta.num_splits == 7
     else:
         assert asked == [] and meta.num_splits == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_every_packed_field_is_16_byte_aligned(seed):
+    """Triton specializes kernels on 16-byte pointer alignment: a field whose alignment varied with
+    the step's sizes compiled new variants mid-run, so every field starts at a multiple of 16."""
+    from vmkv.kvcache.metadata import FIELD_ALIGN, step_layout
+    rng = random.Random(seed)
+    layout, nbytes = step_layout(rng.randint(1, 9000), rng.randint(1, 300), rng.choice([0, rng.randint(1, 200)]))
+    assert FIELD_ALIGN == 16 and nbytes % 16 == 0
+    assert all(off % 16 == 0 for off, _, _ in layout.values())

@@ -2,15 +2,19 @@
 before step N's sampled tokens reach the host, so the host work of a step (scheduling, ``prepare()``,
 output processing) overlaps the device's forward of the next one.
 
-A decode step whose every sequence samples one token (``n == 1``) with nobody waiting for admission is
-followed at once by a step *planned ahead* (:func:`schedule_ahead`): one decode token per sequence,
-its input ids the tokens step N sampled, still on the device.  Only then does the engine wait for step
-N's tokens and process them (stop checks, outputs) while step N+1 runs.  A sequence that step N
-finishes by length is left out of the step ahead; one that stops on a token or a string computed one
-token in vain (its result is dropped: the sequence is finished when step N+1's output is processed).
-Anything else (admissions, prefill, preemption, forks, a failed step) falls back to a normal step
-scheduled after the tokens arrive.  Outputs reach the caller one step later than with synchronous
-scheduling; the tokens are the same (greedy) or drawn from the same distributions.
+A step whose sampling sequences all have ``n == 1`` is followed at once by a step *planned ahead*
+(:func:`schedule_ahead`): one decode token for each sequence step N samples for, its input id the
+token step N sampled, still on the device (these rows lead the batch), then the rest of the token
+budget as a normal schedule would fill it (prompt chunks, admissions, other decodes; vLLM v1's async
+scheduling also plans mixed steps ahead), without preemption: what cannot be backed waits a step.
+Only then does the engine wait for step N's tokens and process them (stop checks, outputs) while
+step N+1 runs, so the host's scheduling, KV allocation and ``prepare()`` of prefill steps overlap
+the device as well.  A sequence that step N finishes by length is left out of the step ahead; one
+that stops on a token or a string computed one token in vain (its result is dropped: the sequence
+is finished when step N+1's output is processed).  Preemption, forks (``n > 1``) and a failed step
+fall back to a normal step scheduled after the tokens arrive.  Outputs reach the caller one step
+later than with synchronous scheduling; the tokens are the same (greedy) or drawn from the same
+distributions.
 
 KV safety: a sequence finished while the step ahead still runs frees its KV on the host; the device
 writes of the step ahead come before anything later on the stream, and vmem never unmaps a freed
@@ -37,37 +41,44 @@ logger = logging.getLogger(__name__)
 def schedule_ahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutput | None:
     """The step after ``prev``, planned before ``prev``'s sampled tokens reach the host.
 
-    Returns ``None`` (schedule normally once the tokens arrive) unless ``prev`` ran every running
-    sequence, each sampled exactly one token (``n == 1``), nobody waits for admission, and every
-    sequence's next KV position is already backed (the runner backs it while ``prev`` runs).
-    Sequences that ``prev``'s token ends by length are left out.  Advances ``num_computed_tokens``
-    of the sequences it schedules (like a normal schedule).
+    Every sequence ``prev`` samples for gets one decode token fed by that sample (``ahead``), unless
+    the sample ends it by length; then the rest of the budget goes as :meth:`Scheduler.schedule`
+    would give it (other decodes, prompt chunks, admissions), without preemption
+    (:meth:`Scheduler.schedule_after`).  Returns ``None`` (schedule normally once the tokens arrive)
+    when ``prev`` preempted, when a sequence it samples for has ``n > 1`` (it forks on its first
+    token) or is no longer running as ``prev`` left it, or when such a sequence's next KV position
+    is not backed yet (the runner backs it while ``prev`` runs); also when nothing is left to run.
+    Advances ``num_computed_tokens`` of the sequences it schedules (like a normal schedule).
     """
-    if (scheduler.waiting or not prev.scheduled or prev.preempted
-            or len(prev.scheduled) != len(scheduler.running)):
+    if prev.preempted or not prev.scheduled:
         return None
-    out = SchedulerOutput()
+    ahead = []
     for s in prev.scheduled:
+        if not s.samples:
+            continue                    # a prompt chunk short of its end: scheduled again below
         seq = s.seq
-        if (not s.samples or seq.status is not SequenceStatus.RUNNING or seq.group.params.n != 1
+        if (seq.status is not SequenceStatus.RUNNING or seq.group.params.n != 1
                 or seq.num_computed_tokens != s.num_computed_tokens + s.num_new_tokens):
             return None
         if seq.ends_by_length_after(1, scheduler.max_model_len):
             continue                    # prev's token is its last: nothing to compute ahead
         if scheduler.alloc.seq_len(seq.seq_id) < seq.num_computed_tokens + 1:
             return None
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, ahead=True))
-    if not out.scheduled:
+        ahead.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, ahead=True))
+    out = scheduler.schedule_after(ahead)
+    if out.is_empty and not out.failed:
         return None
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += 1
     return out
 
 
-def _next_input_ids(p: PendingStep, ahead: SchedulerOutput) -> torch.Tensor:
-    """The step ahead's input ids: ``p``'s sampled tokens (device), in the step ahead's order."""
+def _next_input_ids(p: PendingStep, ahead: SchedulerOutput) -> torch.Tensor | None:
+    """The input ids of the step ahead's leading ``ahead`` rows: ``p``'s sampled tokens (device),
+    in the step ahead's order; ``None`` when it has no such rows."""
+    lead = [s for s in ahead.scheduled if s.ahead]
+    if not lead:
+        return None
     row = {seq.seq_id: i for i, seq in enumerate(p.owners)}
-    idx = [row[s.seq.seq_id] for s in ahead.scheduled]
+    idx = [row[s.seq.seq_id] for s in lead]
     if idx == list(range(len(p.owners))):
         return p.tokens
     return p.tokens.index_select(0, to_device(idx, torch.int64, p.tokens.device))
@@ -107,7 +118,7 @@ class StepDriver:
                 return sched, self._fail_batch(sched, launched)   # now (the finished are skipped)
         if not isinstance(launched, PendingStep):
             return sched, launched                  # nothing ran, or the step failed
-        if self.ahead and launched.tokens is not None and launched.token_list is None:
+        if self.ahead and launched.token_list is None and (launched.tokens is not None or not launched.rows):
             ahead = schedule_ahead(self.scheduler, sched)
             if ahead is not None:
                 try:

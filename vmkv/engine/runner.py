@@ -138,19 +138,23 @@ class ModelRunner:
         sampled tokens to pinned host memory.  Nothing waits for the device.
 
         Args:
-            input_ids: ``int64 [num_tokens]`` on the device: the step's token ids when they are not on
-                the host yet (a step scheduled ahead, fed the previous step's sampled tokens);
-                ``None``: read from the sequences.
+            input_ids: ``int64 [k]`` on the device: the token ids of the step's first ``k`` rows (one
+                token each) when they are not on the host yet (a step scheduled ahead, fed the
+                previous step's sampled tokens); the other rows' ids are read from the sequences.
+                ``None``: every id read from the sequences.
         Raises:
             whatever ``prepare`` or the forward raise (batch-wide).
         """
         batch: list[StepSeq] = []
         ids: list[int] = []
-        for s in sched.scheduled:
+        lead = 0 if input_ids is None else int(input_ids.shape[0])
+        for i, s in enumerate(sched.scheduled):
             batch.append(StepSeq(s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens))
-            if input_ids is None:
+            if i >= lead:
                 ids.extend(s.seq.token_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
         t0 = time.perf_counter()
+        if input_ids is not None and ids:           # device ids first, then the host's
+            input_ids = torch.cat((input_ids, to_device(ids, torch.int64, input_ids.device)))
         size = None if self.cuda_graphs is None else self.cuda_graphs.size_for(batch)
         if size is not None:
             logits = self.cuda_graphs.run(batch, ids if input_ids is None else input_ids, size)

@@ -250,12 +250,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and back its KV (see the module docstring)."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        self._fill(out, self.config.max_num_batched_tokens, preempt=True)
+        return out
+
+    def schedule_after(self, ahead: list[ScheduledSeq]) -> SchedulerOutput:
+        """The step after one whose sampled tokens are still on the device (async scheduling):
+        ``ahead`` (one token each, positions already backed, ``ahead=True``: their input is the
+        previous step's sampled token) first, then what :meth:`schedule` would add with the rest
+        of the budget (other decodes, prompt chunks, admissions), except that nothing is preempted:
+        a sequence whose KV cannot be backed now waits for a later step.  The sequences whose token
+        is in flight count as computed past it, so nothing else schedules them."""
+        out = SchedulerOutput(scheduled=list(ahead))
+        for s in ahead:
+            s.seq.num_computed_tokens += 1
+        self._fill(out, self.config.max_num_batched_tokens - len(ahead), preempt=False)
+        return out
+
+    def _fill(self, out: SchedulerOutput, budget: int, preempt: bool) -> None:
+        """Decodes, then prompt chunks of the running sequences, then admissions, into ``out``
+        (``preempt``: preempt the newest running sequences while the cache is full; otherwise
+        skip a sequence that cannot be backed)."""
         chunked = self.config.enable_chunked_prefill
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            if budget == 0:
+            if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                                    # preempted earlier in this step
@@ -264,14 +283,31 @@ class Scheduler:
                 if not chunked:
                     continue
                 num_new = budget
-            budget = self._back(seq, seq.num_computed_tokens + num_new, out, budget)
-            if seq.status is not SequenceStatus.RUNNING:
-                continue                                    # it preempted itself
+            if preempt:
+                budget = self._back(seq, seq.num_computed_tokens + num_new, out, budget)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue                                # it preempted itself
+            elif not self._back_if_room(seq, seq.num_computed_tokens + num_new, out):
+                continue
             self._take(seq, num_new, out)
             budget -= num_new
         if not out.preempted:
             self._admit(out, budget)
-        return out
+
+    def _back_if_room(self, seq: Sequence, needed_len: int, out: SchedulerOutput) -> bool:
+        """Extend ``seq`` to ``needed_len`` positions if the cache has room now (no preemption);
+        a KV call that fails otherwise fails the sequence.  Returns whether it is backed."""
+        extra = needed_len - self.alloc.seq_len(seq.seq_id)
+        if extra <= 0:
+            return True
+        try:
+            self.alloc.extend(seq.seq_id, extra)
+            return True
+        except KVCacheFullError:
+            return False
+        except Exception as exc:                            # noqa: BLE001 - this sequence's failure
+            self._fail(seq, exc, out)
+            return False
 
     def _take(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         sched = ScheduledSeq(seq, seq.num_computed_tokens, num_new)

@@ -44,8 +44,17 @@ def step_token_positions(batch: Sequence[StepSeq]) -> tuple[np.ndarray, np.ndarr
     return _token_positions(*_step_arrays(batch))
 
 
+#: byte alignment of every field of the packed step buffer (see :func:`step_layout`)
+FIELD_ALIGN = 16
+
+
 def step_layout(num_tokens: int, num_seqs: int, table_width: int) -> tuple[dict, int]:
-    """Byte layout of one step's packed metadata buffer (every field 8-byte aligned).
+    """Byte layout of one step's packed metadata buffer (every field 16-byte aligned).
+
+    16 bytes because Triton specializes a kernel on whether each pointer argument is 16-byte
+    aligned: with 8-byte alignment a field's alignment followed the step's token and sequence
+    counts, and a step whose fields fell differently compiled new kernel variants in the middle of
+    a run (seconds each, seen on the H200 as 2 s prefill steps).
 
     Fields: ``positions``, ``slot_mapping``, ``last_token_indices`` (int64), ``query_start_loc``
     (``num_seqs + 1``), ``seq_lens``, ``context_lens`` and ``table`` (int32): the block tables
@@ -65,8 +74,8 @@ def step_layout(num_tokens: int, num_seqs: int, table_width: int) -> tuple[dict,
     layout, off = {}, 0
     for name, dtype, shape in fields:
         layout[name] = (off, dtype, shape)
-        off += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 8) * 8
-    return layout, max(off, 8)
+        off += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // FIELD_ALIGN) * FIELD_ALIGN
+    return layout, max(off, FIELD_ALIGN)
 
 
 class StepStaging:

@@ -13,7 +13,7 @@ __all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows",
 SERVING_COLUMNS = ["scenario", "backend", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                    "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput"]
 MEMORY_COLUMNS = ["scenario", "backend", "KV alloc peak", "mapped peak", "created peak/final", "waste %", "B/used tok",
-                  "max seqs", "preempt", "hit %", "alloc %", "prefetch %", "alloc us p99", "map us p50/99",
+                  "max seqs", "preempt", "hit %", "alloc %", "alloc ahead %", "prefetch %", "alloc us p99", "map us p50/99",
                   "unmap us p50/99", "device peak"]
 RATIO_COLUMNS = ["scenario", "ratio", "out tok/s", "TTFT p50", "TPOT p50", "E2E p50", "peak mapped", "max seqs"]
 
@@ -67,6 +67,7 @@ def memory_rows(runs: list[dict]) -> list[list[str]]:
                      report.fmt_size(m["peak_mapped_bytes"], 1), _created(m), _f(m["waste_pct_mean"]),
                      _f(m["bytes_per_used_token_at_peak"], 0), str(m["max_concurrent_seqs"]), str(m["preemptions"]),
                      _f(100 * m["prefix_hit_rate"], 1), _f(a["alloc_share_pct"], 3),
+                     _f(a["alloc_ahead_share_pct"], 3) if "alloc_ahead_share_pct" in a else "-",
                      _f(a["prefetch_share_pct"], 3) if "prefetch_share_pct" in a else "-",
                      _f(a["alloc_us_per_step"]["p99"], 1), _pair(v.get("map_us")), _pair(v.get("unmap_us")),
                      report.fmt_size(m["device_used_bytes_peak"], 1) if m["device_used_bytes_peak"] else "-"])
@@ -205,8 +206,9 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
     if failed:
         md += ["## Failed runs", ""] + [f"- {r['scenario']}-{r['backend']}: {r['error']}" for r in failed] + [""]
     md += ["Definitions (sizes in powers of 1024: K = KiB, M = MiB, G = GiB): TTFT arrival to first token; TPOT (E2E - TTFT) / (output tokens - 1); ITL gaps between "
-           "token steps; waste % = (allocated - used) / allocated averaged over steps; alloc share = time in the "
-           "cache's allocate/extend/fork/free / step time; prefetch % = time in the cache's prefetch (maps ahead while the GPU "
+           "token steps; waste % = (allocated - used) / allocated averaged over steps; alloc % = time in the "
+           "cache's allocate/extend/fork/free on the critical path / step time; alloc ahead % = the same calls made "
+           "while scheduling a step ahead (async scheduling: the GPU runs the previous step meanwhile) / step time; prefetch % = time in the cache's prefetch (maps ahead while the GPU "
            "runs the forward, off the critical path) / step time; created = physical KV memory that exists (vmem: "
            "pages created and not released; paged: its static pool), peak over the run / at its last step; device "
            "peak = device memory in use (CUDA: total - free; CPU: process RSS). Plot `kv_memory_<scenario>.png`: KV "

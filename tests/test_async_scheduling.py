@@ -236,6 +236,12 @@ def test_mixed_steps_planned_ahead_give_the_outputs_of_sync_scheduling(backend, 
     want, got = _run_arrivals(sync, reqs), _run_arrivals(asy, reqs)
     assert got == want
     assert mixed_ahead or len(reqs) < 2 or seed not in (0, 1, 2), "no mixed step was planned ahead"
+    # allocation made while planning a step ahead is counted apart (off the critical path)
+    s_sync, s_asy = sync.get_stats(), asy.get_stats()
+    assert s_sync.alloc_ahead_time_s_total == 0.0
+    assert 0.0 <= s_asy.alloc_ahead_time_s_total <= s_asy.alloc_time_s_total
+    if mixed_ahead:
+        assert s_asy.alloc_ahead_time_s_total > 0.0
     for eng in (sync, asy):
         assert eng.kv_cache.usage().used_tokens == 0 and not eng.scheduler.running
         eng.close()

@@ -119,7 +119,8 @@ class StepDriver:
         if not isinstance(launched, PendingStep):
             return sched, launched                  # nothing ran, or the step failed
         if self.ahead and launched.token_list is None and (launched.tokens is not None or not launched.rows):
-            ahead = schedule_ahead(self.scheduler, sched)
+            with self.scheduler.alloc.overlapped():       # the device runs `launched` meanwhile
+                ahead = schedule_ahead(self.scheduler, sched)
             if ahead is not None:
                 try:
                     self.pending = (ahead, self.runner.launch(ahead, _next_input_ids(launched, ahead)))

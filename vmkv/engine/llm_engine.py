@@ -306,6 +306,7 @@ class LLMEngine:
             num_steps=self._num_steps,
             step_time_s_total=self._step_time_s_total,
             alloc_time_s_total=self.allocator.time_s,
+            alloc_ahead_time_s_total=self.allocator.ahead_time_s,
             last_step_time_s=self._last_step_time_s,
             max_concurrent_seqs=self._max_concurrent_seqs,
             num_running_seqs=len(running),

@@ -183,6 +183,8 @@ class EngineStats:
         num_steps: steps that ran the model.
         step_time_s_total, last_step_time_s: wall time of ``step()``, seconds.
         alloc_time_s_total: seconds spent in the cache's allocate/extend/fork/free.
+        alloc_ahead_time_s_total: the part of ``alloc_time_s_total`` spent scheduling a step ahead
+            (async scheduling), while the device ran the previous step: off the critical path.
         prefetch_time_s_total: seconds spent in the cache's ``prefetch`` (off the critical path:
             it overlaps the GPU's forward; not part of ``alloc_time_s_total``).
         max_concurrent_seqs: most sequences running in one step so far.
@@ -223,3 +225,4 @@ class EngineStats:
     cuda_graph_capture_s: float = 0.0
     cuda_graph_memory_bytes: int = 0
     num_ahead_steps_total: int = 0
+    alloc_ahead_time_s_total: float = 0.0

@@ -27,6 +27,7 @@ The scheduler deals in sequence ids and counts only; the runner turns them into 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -90,18 +91,34 @@ class SchedulerOutput:
 
 
 class TimedAllocator:
-    """Forwards the cache's lifecycle calls and adds their wall time to ``time_s`` (seconds)."""
+    """Forwards the cache's lifecycle calls and adds their wall time to ``time_s`` (seconds); the
+    part made inside :meth:`overlapped` (scheduling a step ahead while the device runs the previous
+    one) is also added to ``ahead_time_s``."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self.time_s = 0.0
+        self.ahead_time_s = 0.0
+        self._overlapped = False
+
+    @contextlib.contextmanager
+    def overlapped(self):
+        """Count the calls made inside as overlapping the device's work (``ahead_time_s``)."""
+        self._overlapped, prev = True, self._overlapped
+        try:
+            yield
+        finally:
+            self._overlapped = prev
 
     def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.time_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.time_s += dt
+            if self._overlapped:
+                self.ahead_time_s += dt
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Seq[int] | None,
                  extra_key: str | None = None) -> int:

@@ -105,22 +105,24 @@ def environment(argv: Sequence[str] | None = None, seed: int | None = None) -> d
     }
 
 
-def to_jsonable(obj: Any) -> Any:
-    """Dataclasses to dicts, tuples to lists, NaN/inf floats to None (strict JSON)."""
+def to_jsonable(obj: Any, strict: bool = True) -> Any:
+    """Dataclasses to dicts, tuples to lists, NaN/inf floats to None (``strict``: standard JSON) or
+    kept (``strict=False``: Python's ``Infinity``/``NaN`` extension, for files only Python reads back,
+    such as a worker's configuration, where ``inf`` is a value: ``--kv-shrink-grace-s inf``)."""
     if is_dataclass(obj) and not isinstance(obj, type):
         obj = obj.to_dict() if hasattr(obj, "to_dict") else asdict(obj)
     if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
+        return {str(k): to_jsonable(v, strict) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
+        return [to_jsonable(v, strict) for v in obj]
     if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
+        return obj if math.isfinite(obj) or not strict else None
     if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return to_jsonable(obj.item())
+        return to_jsonable(obj.item(), strict)
     if obj is None or isinstance(obj, (str, int, bool)):
         return obj
     if hasattr(obj, "tolist"):
-        return to_jsonable(obj.tolist())
+        return to_jsonable(obj.tolist(), strict)
     return str(obj)
 
 
@@ -128,12 +130,13 @@ def to_jsonable(obj: Any) -> Any:
 _NUMERIC_ARRAY = re.compile(r"\[\n\s*((?:-?[0-9][0-9.eE+-]*|null)(?:,\n\s*(?:-?[0-9][0-9.eE+-]*|null))*)\n\s*\]")
 
 
-def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> Path:
-    """Write ``obj`` as strict JSON (see :func:`to_jsonable`); ``indent=None`` for compact raw samples."""
+def write_json(path: str | Path, obj: Any, indent: int | None = 1, strict: bool = True) -> Path:
+    """Write ``obj`` as JSON (see :func:`to_jsonable`; ``strict=False`` keeps non-finite floats);
+    ``indent=None`` for compact raw samples."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sep = None if indent else (",", ":")
-    text = json.dumps(to_jsonable(obj), indent=indent, separators=sep, allow_nan=False)
+    text = json.dumps(to_jsonable(obj, strict), indent=indent, separators=sep, allow_nan=not strict)
     if indent:  # keep arrays of numbers on one line: raw samples stay readable and small
         text = _NUMERIC_ARRAY.sub(lambda m: "[" + "".join(m.group(1).split()) + "]", text)
     path.write_text(text + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,7 +44,7 @@ def run_worker_process(module: str, cfg: dict, out_dir: Path, name: str, timeout
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     cfg_path, res_path, log_path = raw / f"{name}.config.json", raw / f"{name}.json", raw / f"{name}.log"
-    report.write_json(cfg_path, cfg)
+    report.write_json(cfg_path, cfg, strict=False)     # inf stays inf (e.g. --kv-shrink-grace-s inf)
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -67,11 +68,18 @@ def run_worker_process(module: str, cfg: dict, out_dir: Path, name: str, timeout
             proc.wait()
             return {**error_fields, "error": f"timed out after {timeout_s} s"}
     if proc.returncode != 0 or not res_path.exists():
-        tail = log_path.read_text().strip().splitlines()[-15:]
-        return {**error_fields, "error": f"worker exited with {proc.returncode}: " + "\n".join(tail)}
+        lines = log_path.read_text().strip().splitlines()
+        # the lines that name the failure (a Python exception, a C++ abort's what()), then the tail:
+        # a native abort's stack frames alone would push them out of a 15-line tail
+        cause = [ln for ln in lines if _CAUSE.search(ln)][:8]
+        return {**error_fields, "error": f"worker exited with {proc.returncode}: "
+                + "\n".join(cause + (["..."] if cause else []) + lines[-15:])}
     result = json.loads(res_path.read_text())
     result["raw_file"] = str(res_path.relative_to(out_dir))
     return result
+
+
+_CAUSE = re.compile(r"Error\b|Exception\b|what\(\)|Traceback|terminate called|Fatal Python error|Aborted")
 
 
 def worker_main(argv: list[str] | None, module: str, run_worker: Callable[[dict], dict],

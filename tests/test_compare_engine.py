@@ -252,3 +252,17 @@ def test_worker_reads_backend_stats_and_samples_through_the_interface():
         stats, samples = w._backend_snapshot(cache)
         assert samples == {} and w._vmm_delta(stats, stats, samples) == (None, {})
         assert w._counter_deltas(stats, stats)["num_blocks_run"] == 0
+
+
+def test_an_infinite_grace_period_reaches_the_worker(tmp_path):
+    """``--kv-shrink-grace-s inf`` (never shrink) travels to the worker process as inf: the worker's
+    configuration file keeps non-finite floats (strict JSON turned it into null, which the option refused)."""
+    out = tmp_path / "res"
+    rc = main(["compare", "engine", "--backends", "vmem", "--model", "tiny", "--device", "cpu",
+               "--num-requests", "2", "--input-len", "8..16", "--output-len", "2", "--warmup-requests", "0",
+               "--torch-threads", "1", "--kv-shrink-grace-s", "inf", "--out", str(out)])
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert "error" not in run and run["serving"]["completed"] == 2
+    cfg = json.loads((out / "raw" / "offline-vmem.config.json").read_text())
+    assert cfg["knobs"]["kv_shrink_grace_s"] == float("inf")

@@ -57,15 +57,18 @@ BACKENDS = {
 }
 
 
-def _generate(backend: str, opts: dict, enforce_eager: bool, watch=None, async_scheduling: bool = False):
+def _generate(backend: str, opts: dict, enforce_eager: bool, watch=None, async_scheduling: bool = False,
+              after_start=None, max_model_len: int = 256):
     """Greedy outputs of 7 requests whose lengths make the decode batch shrink 7 -> 1 (buckets 8, 4,
     2, 1) on a float32 smollm2-135m-shaped random model (vmem megacache: ~45 tokens per 2 MiB page,
     so every sequence crosses pages while decode replays)."""
     cfg = EngineConfig.from_args(None, backend, "cuda", "float32", random_weights="smollm2-135m",
-                                 max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
+                                 max_num_seqs=8, max_model_len=max_model_len, max_num_batched_tokens=512,
                                  enforce_eager=enforce_eager, seed=5, async_scheduling=async_scheduling,
                                  **opts)
     engine = LLMEngine(cfg)
+    if after_start is not None:
+        after_start(engine)
     gen = torch.Generator().manual_seed(11)
     vocab = engine.model_config.vocab_size
     for i in range(7):
@@ -102,6 +105,30 @@ def test_graph_replay_matches_eager(name):
         # the vAttention property: pages were mapped under the captured graphs while they replayed
         during = [m for steps, m in mapped if steps > 0]
         assert max(during) > during[0], mapped
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["paged", "vmem-megacache"])
+def test_replays_touch_only_memory_the_graphs_hold(name):
+    """Every tensor a captured graph writes stays allocated as long as the graph: the decode kernel's
+    split-K workspace, made by the eager forwards before each capture, was held only by a metadata
+    object dropped after the capture, so its memory went back to the caching allocator; replays then
+    wrote into whatever lived there next (seen on the H200: another graph's input ids, then an illegal
+    memory access).  Releasing every free cached segment after start-up (``empty_cache``) turns such a
+    write into a fault; outputs must still equal eager."""
+    backend, opts = BACKENDS[name]
+    # a context of 1024 positions: the graphs of small batches split the context (a workspace exists)
+    eager, _, _ = _generate(backend, opts, enforce_eager=True, max_model_len=1024)
+
+    def release_free_memory(engine):
+        graphs = engine.runner.cuda_graphs._graphs.values()
+        assert all(g.meta is not None for g in graphs)          # the metadata lives with its graph
+        assert any(g.meta.workspace for g in graphs), "no graph uses a workspace: the test tests nothing"
+        torch.cuda.empty_cache()
+    graphs, stats, _ = _generate(backend, opts, enforce_eager=False, after_start=release_free_memory,
+                                 max_model_len=1024)
+    torch.cuda.synchronize()
+    assert stats.num_cuda_graph_steps_total > 0 and graphs == eager
 
 
 @pytest.mark.gpu
@@ -142,7 +169,7 @@ def test_a_step_launch_never_waits_for_the_device(name):
     would make the host wait for the step running ahead and undo async scheduling's overlap."""
     backend, opts = BACKENDS[name]
     cfg = EngineConfig.from_args(None, backend, "cuda", "float32", random_weights="smollm2-135m",
-                                 max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
+                                 max_num_seqs=8, max_model_len=max_model_len, max_num_batched_tokens=512,
                                  seed=5, async_scheduling=True, **opts)
     engine = LLMEngine(cfg)
     runner, launches = engine.runner, []

@@ -70,6 +70,12 @@ class _Captured:
     buffer: torch.Tensor           # uint8: the step metadata (KVCache.graph_buffer_bytes)
     input_ids: torch.Tensor        # int64 [size]
     logits: torch.Tensor           # float32 [size, vocab]
+    # the captured metadata, and with it the kernels' per-step workspace (decode split-K partials):
+    # allocated by the eager forwards before the capture, outside the graph's pool, and written by
+    # every replay, so it must live as long as the graph.  Dropped, its memory went back to the
+    # caching allocator and later tensors there (another graph's input ids) were overwritten by
+    # replays: garbage token ids in padding rows, an illegal memory access in the embedding.
+    meta: object = None
 
 
 class CUDAGraphRunner:
@@ -128,7 +134,7 @@ class CUDAGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
-            self._graphs[size] = _Captured(graph, buffer, input_ids, logits)
+            self._graphs[size] = _Captured(graph, buffer, input_ids, logits, meta)
             self.num_captures += 1
         torch.cuda.synchronize(self.device)
         self.capture_time_s = time.perf_counter() - t0
@@ -161,6 +167,8 @@ class CUDAGraphRunner:
         g = self._graphs[size]
         n = len(batch)
         self.kv_cache.prepare(batch, pad_to=size, out=g.buffer)
+        if n < size:                # padding rows read token 0, whatever an earlier replay left there
+            g.input_ids[n:].zero_()
         if isinstance(input_ids, torch.Tensor):       # already on the device (scheduled ahead)
             g.input_ids[:n].copy_(input_ids)
         else:

@@ -219,14 +219,8 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
     if num_warm:
         max_prompt = min(max(r.prompt_len for r in requests), engine.max_model_len - 9,
                          int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048)))
-        # enough prompts of the longest length to fill one step's token budget, as the run's first
-        # steps do: the activations' memory and the GEMM configurations at that size come first here
-        # (vLLM's start-up profile run also runs max_num_batched_tokens)
-        budget = int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048))
-        fill = max(num_warm, -(-budget // max(1, max_prompt)))
-        fill = min(fill, int(cfg.get("knobs", {}).get("max_num_seqs", fill)))
-        warm = WorkloadSpec(num_requests=fill, input_len=f"{max(1, max_prompt)}", output_len="8",
-                            seed=spec.seed + 7919)
+        warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
+                            output_len="8", seed=spec.seed + 7919)
         wreqs = generate(warm, engine.model_config.vocab_size)
         # then short prompts: the prefill kernel's configuration for query lengths <= 16 (the
         # tails of chunked prompts in mixed steps) compiles here, not in the measured run

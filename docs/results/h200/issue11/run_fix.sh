@@ -1,6 +1,10 @@
 #!/bin/bash
-# Issue 11: the graph-workspace fix on the H200: the regression test, then the offline workload with 256
-# output tokens after the full-budget warm-up that crashed before the fix (paged, async scheduling).
+# Issue 11, the next device call (not run: this session's device time was spent): the graph-workspace fix on the
+# H200 (the regression test), then the offline workload with 256
+# output tokens after the full-budget warm-up that crashed before the fix (paged, async scheduling). The
+# full-budget warm-up is in commit 33cb6d8 (main went back to the old warm-up until this has run): from the
+# repository root, git archive 33cb6d8 | tar -x -C .gpu_fix; echo 33cb6d8 > .gpu_fix/COMMIT, then
+#   run(command="cd .gpu_fix && bash docs/results/h200/issue11/run_fix.sh", carry=[".gpu_fix"])
 set -u
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p $O; T0=$(date +%s)

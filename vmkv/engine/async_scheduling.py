@@ -122,6 +122,8 @@ class StepDriver:
             with self.scheduler.alloc.overlapped():       # the device runs `launched` meanwhile
                 ahead = schedule_ahead(self.scheduler, sched)
             if ahead is not None:
+                self._fail_unbacked(ahead)      # a KV call of the plan raised: that request fails now
+            if ahead is not None and ahead.scheduled:
                 try:
                     self.pending = (ahead, self.runner.launch(ahead, _next_input_ids(launched, ahead)))
                     self.num_ahead_steps += 1
@@ -151,14 +153,19 @@ class StepDriver:
             except Exception as exc:            # closing anyway: the error is only reported
                 logger.warning("a step launched ahead failed while the engine closed: %r", exc)
 
-    def launch(self, sched: SchedulerOutput, input_ids=None) -> PendingStep | StepResult:
-        """Fail the requests the scheduler could not back, launch the rest (``runner.launch``); a
-        failed launch fails the requests of the batch.  Returns the launched step, or the result
-        when nothing runs."""
+    def _fail_unbacked(self, sched: SchedulerOutput) -> None:
+        """Fail the requests whose KV call raised while ``sched`` was scheduled (the scheduler has
+        dropped their sequences) and take them out of ``sched``."""
         for seq, exc in sched.failed:
             self.requests.fail(seq.group, "KV allocation", exc)
         if sched.failed:
             sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
+
+    def launch(self, sched: SchedulerOutput, input_ids=None) -> PendingStep | StepResult:
+        """Fail the requests the scheduler could not back, launch the rest (``runner.launch``); a
+        failed launch fails the requests of the batch.  Returns the launched step, or the result
+        when nothing runs."""
+        self._fail_unbacked(sched)
         if sched.is_empty:
             return self.runner.idle()       # nothing to run: idle KV memory may go back (vmem)
         try:

@@ -29,7 +29,7 @@ from vmkv.engine.host_copy import to_device
 from vmkv.engine.sampler import Sampler, SamplingRow
 from vmkv.engine.scheduler import SchedulerOutput
 from vmkv.engine.sequence import Sequence
-from vmkv.kvcache.base import KVCache, StepSeq
+from vmkv.kvcache.base import KVCache, KVCacheFullError, StepSeq
 
 __all__ = ["ModelRunner", "PendingStep", "StepResult"]
 
@@ -268,10 +268,12 @@ class ModelRunner:
         for seq_id in seq_ids:
             try:
                 kv.extend(seq_id, 1)
+            except KVCacheFullError:
+                return                     # full: the scheduler decides (preempts); the rest would fail too
             except Exception as exc:
                 if is_fatal_error(exc):
                     raise
-                return                     # full (or at max_model_len): the scheduler decides
+                continue                   # this one is at max_model_len: the scheduler finishes it
 
     def _prefetch(self, seq_ids: list[int] | None) -> None:
         """``kv_cache.prefetch`` of ``seq_ids``, or (``None``) ``prefetch_admission`` of the next

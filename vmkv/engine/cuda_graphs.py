@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vmkv.kvcache.base import KVCache, StepSeq
+from vmkv.kvcache.base import AttentionMetadata, KVCache, StepSeq
 from vmkv.kvcache.metadata import StepStaging
 
 __all__ = ["CUDAGraphRunner", "build_cuda_graphs", "default_capture_sizes"]
@@ -73,9 +73,10 @@ class _Captured:
     # the captured metadata, and with it the kernels' per-step workspace (decode split-K partials):
     # allocated by the eager forwards before the capture, outside the graph's pool, and written by
     # every replay, so it must live as long as the graph.  Dropped, its memory went back to the
-    # caching allocator and later tensors there (another graph's input ids) were overwritten by
-    # replays: garbage token ids in padding rows, an illegal memory access in the embedding.
-    meta: object = None
+    # caching allocator, which `torch.cuda.graph` empties before each capture: replays then wrote to
+    # released or reused memory (the likely cause of the illegal memory access in graph replays seen
+    # on the H200, docs/results/h200/issue11/README.md)
+    meta: AttentionMetadata
 
 
 class CUDAGraphRunner:

@@ -53,8 +53,9 @@ def step_layout(num_tokens: int, num_seqs: int, table_width: int) -> tuple[dict,
 
     16 bytes because Triton specializes a kernel on whether each pointer argument is 16-byte
     aligned: with 8-byte alignment a field's alignment followed the step's token and sequence
-    counts, and a step whose fields fell differently compiled new kernel variants in the middle of
-    a run (seconds each, seen on the H200 as 2 s prefill steps).
+    counts, so a step whose fields fell differently could compile new kernel variants in the middle
+    of a run (seconds each: the 2 s steps seen on the H200 came from the same effect, tensors sliced
+    at a step-dependent row).
 
     Fields: ``positions``, ``slot_mapping``, ``last_token_indices`` (int64), ``query_start_loc``
     (``num_seqs + 1``), ``seq_lens``, ``context_lens`` and ``table`` (int32): the block tables

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from vmkv.kvcache.prefix import PrefixIndex
@@ -61,9 +62,11 @@ _MAX_SAMPLES = 100_000
 class Slot:
     """One row of the reservations.  ``units[u][r]``: page mapped at unit ``u`` of reservation ``r``;
     ``mapped_to``: units ``[0, mapped_to)`` are known fully mapped (set by prefetch, lowered by every
-    unmap), so a prefetch that asks for no more returns at once."""
+    unmap), so a prefetch that asks for no more returns at once; ``num_mapped``: pages mapped in the
+    slot (positions, kept by every map and unmap), so an operation over a slot whose units all lie
+    below its range knows the holes without walking them (:meth:`SlotMapper.mapped_below`)."""
 
-    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick", "mapped_to")
+    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick", "mapped_to", "num_mapped")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -73,6 +76,7 @@ class Slot:
         self.fence: object = None
         self.free_tick = 0
         self.mapped_to = 0
+        self.num_mapped = 0
 
     @property
     def is_free(self) -> bool:
@@ -137,6 +141,22 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
     def _is_claimed(slot: Slot, unit: int) -> bool:
         return slot.seq_id is not None and unit < slot.claimed
 
+    def unshared(self) -> bool:
+        """O(1): is every mapped page mapped in one slot only (no fork, no prefix hit shares a page),
+        and does no page hold a prefix-cache unit?  Then every kept page of a slot is reused in place
+        by a new occupant, and the walks of :meth:`plan_occupy`, :meth:`occupy` and
+        :func:`~vmkv.vmem.placement.pick_slot` reduce to counting (:meth:`mapped_below`)."""
+        return self.table.num_mappings == self.table.num_mapped_pages and not len(self.prefix)
+
+    def mapped_below(self, slot: Slot, num_units: int) -> int:
+        """Pages mapped in units ``[0, num_units)`` of ``slot``: O(1) when none of its units lies at
+        or above ``num_units`` (the common warm admission), else a walk of its units."""
+        units = slot.units
+        if not units or max(units) < num_units:
+            return slot.num_mapped
+        num_res = self.num_res
+        return sum(num_res - pages.count(None) for u, pages in units.items() if u < num_units)
+
     def _access_runs(self, targets: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``(va, nbytes)`` of the maximal runs of adjacent pages among ``targets`` (``(res, va)`` of
         one page each): same reservation, consecutive addresses."""
@@ -196,6 +216,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.map_us.extend([batch_us / n] * n)
         self.num_maps += n
         self.num_map_batches += 1
+        slot.num_mapped += n
         for unit, res, page in items:
             pages = units.get(unit)
             if pages is None:
@@ -212,6 +233,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.unmap_us.append((time.perf_counter_ns() - t0) / 1e3)
         self.num_unmaps += 1
         pages[res] = None
+        slot.num_mapped -= 1
         slot.mapped_to = min(slot.mapped_to, unit)
         if all(p is None for p in pages):
             del slot.units[unit]
@@ -223,8 +245,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
         old = slot.claimed
         step, units = (1, range(old, claimed)) if claimed > old else (-1, range(claimed, old))
-        get = slot.units.get
-        self.table.claim_pages([p for u in units for p in get(u, ()) if p is not None], step, self._tick)
+        pages = [p for p in chain.from_iterable(map(slot.units.get, units, repeat(()))) if p is not None]
+        self.table.claim_pages(pages, step, self._tick)
         slot.claimed = claimed
 
     def _wait_slot(self, slot: Slot) -> None:

@@ -64,6 +64,10 @@ class MapperCheckMixin:
             for u in range(slot.claimed):
                 if any(p is None for p in slot.units.get(u, [None])):
                     raise AssertionError(f"slot {slot.index} claims unit {u} but it is not fully mapped")
+            num_mapped = sum(len(pages) - pages.count(None) for pages in slot.units.values())
+            if num_mapped != slot.num_mapped:
+                raise AssertionError(f"slot {slot.index} counts {slot.num_mapped} mapped pages, "
+                                     f"maps {num_mapped}")
             for u, pages in slot.units.items():
                 if all(p is None for p in pages):
                     raise AssertionError(f"slot {slot.index} keeps an empty unit {u}")

@@ -153,25 +153,32 @@ class PageTable:
             self.last_use[page] = tick
         self._claim(page, self.entries[page], step)
 
-    def claim_pages(self, pages: Iterable[int], step: int, tick: int) -> None:
-        """:meth:`claim` of each of ``pages`` in one loop (a range of units claimed or released)."""
-        entries, reclaimable, last_use = self.entries, self.reclaimable, self.last_use
+    def claim_pages(self, pages: Sequence[int], step: int, tick: int) -> None:
+        """:meth:`claim` of each of ``pages`` (distinct) in one loop (a range of units claimed or
+        released)."""
+        entries = self.entries
         delta = 0
-        for page in pages:
-            e = entries[page]
-            before = e.num_claimed
-            after = e.num_claimed = before + step
-            assert 0 <= after <= len(e.slots), f"page {page}: {after} claimed of {len(e.slots)} mappings"
-            if step < 0:
-                last_use[page] = tick
-            if not before:
-                delta += 1
-            elif not after:
-                delta -= 1
-            if after:
-                reclaimable.discard(page)
-            else:
-                reclaimable.add(page)
+        if step > 0:
+            for page in pages:
+                e = entries[page]
+                before = e.num_claimed
+                e.num_claimed = before + 1
+                assert before < len(e.slots), f"page {page}: {before + 1} claimed of {len(e.slots)} mappings"
+                if not before:
+                    delta += 1
+            self.reclaimable.difference_update(pages)      # every page has a claim now
+        else:
+            idle = []
+            for page in pages:
+                e = entries[page]
+                after = e.num_claimed - 1
+                assert after >= 0, f"page {page}: {after} claimed of {len(e.slots)} mappings"
+                e.num_claimed = after
+                if not after:
+                    idle.append(page)
+            delta = -len(idle)
+            self.last_use.update(dict.fromkeys(pages, tick))
+            self.reclaimable.update(idle)
         self.num_claimed_pages += delta
 
     def _claim(self, page: int, entry: PageEntry, step: int) -> None:

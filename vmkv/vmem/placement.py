@@ -40,8 +40,12 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
     entries, num_res, num_hits = mapper.table.entries, mapper.num_res, len(hits)
     # no prefix entry at all (prefix caching off, or nothing cached yet): no page is cached
     is_cached = mapper.prefix.is_cached if len(mapper.prefix) else frozenset().__contains__
+    # no hit, and no page shared or cached: each kept page below num_units saves its map
+    counting = not num_hits and mapper.unshared()
 
     def calls(s: Slot) -> int:
+        if counting:
+            return num_units * num_res - mapper.mapped_below(s, num_units)
         n = num_units * num_res         # a map per position, corrected for what is in place
         for u, pages in s.units.items():
             if u >= num_units:
@@ -64,15 +68,19 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
         fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
         return (num_units * num_res - num_res * min(kept, num_units), fit, s.index)
 
-    free = [s for s in mapper.slots if s.is_free and s.index not in exclude]
-    if not free:
-        return None
     # slots that keep no pages all score alike: only the lowest-index one competes (keeps the
     # choice O(slots with kept pages) instead of O(free slots x units) per admission)
-    candidates = [s for s in free if s.units]
-    empty = [s for s in free if not s.units]
-    if empty:
-        candidates.append(min(empty, key=lambda s: s.index))
+    candidates, empty = [], None
+    for s in mapper.slots:
+        if s.seq_id is None and s.index not in exclude:
+            if s.units:
+                candidates.append(s)
+            elif empty is None:
+                empty = s                   # mapper.slots is in index order
+    if empty is not None:
+        candidates.append(empty)
+    if not candidates:
+        return None
     # exact best key with the fewest page walks: candidates in the order of their lower bound; once a
     # bound exceeds the best key found, no later candidate can beat it (a slot whose kept pages all
     # fit ends the search at once, the common warm admission)

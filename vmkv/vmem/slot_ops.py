@@ -88,6 +88,9 @@ class SlotOpsMixin:
     # ------------------------------------------------------------------ occupy (allocate)
     def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`occupy`."""
+        if not hits and self.unshared():        # every kept page below num_units is reused in place
+            kept = self.mapped_below(slot, num_units)
+            return num_units * self.num_res - kept, self.available_pages() - kept
         reclaimable, is_cached_free = self.table.reclaimable, self.pool.is_cached_free
         leaving = {hit for u in range(min(len(hits), num_units)) for hit in hits[u]
                    if hit in reclaimable or is_cached_free(hit)}      # hits that become claimed
@@ -112,18 +115,23 @@ class SlotOpsMixin:
         :meth:`_move_out_cached`)."""
         assert slot.is_free, f"slot {slot.index} is live"
         slot.seq_id = seq_id
-        get, entries = slot.units.get, self.table.entries
-        for u in range(num_units):
-            for r, cur in enumerate(get(u, ())):
-                if cur is None:
-                    continue
-                keep = cur == hits[u][r] if u < len(hits) else len(entries[cur].slots) == 1
-                if not keep:
-                    self._wait_slot(slot)
-                    self._unmap(slot, u, r)
-        self._move_out_cached(slot, range(len(hits), num_units),
-                              frozenset(p for pages in hits for p in pages))
+        # no hit, no page shared or cached anywhere: every kept page stays, nothing moves out
+        fast = not hits and self.unshared()
+        if not fast:
+            get, entries = slot.units.get, self.table.entries
+            for u in range(num_units):
+                for r, cur in enumerate(get(u, ())):
+                    if cur is None:
+                        continue
+                    keep = cur == hits[u][r] if u < len(hits) else len(entries[cur].slots) == 1
+                    if not keep:
+                        self._wait_slot(slot)
+                        self._unmap(slot, u, r)
+            self._move_out_cached(slot, range(len(hits), num_units),
+                                  frozenset(p for pages in hits for p in pages))
         self._set_claimed(slot, num_units)
+        if fast and self.mapped_below(slot, num_units) == num_units * self.num_res:
+            return                          # a warm admission: the kept pages back it all, no hole
         try:
             # hit pages and fresh pages in one batch: adjacent units share one set_access
             self._fill_holes(slot, range(num_units), lambda u, r: hits[u][r] if u < len(hits) else None)

@@ -55,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--temperature", type=float, default=1.0)
     w.add_argument("--warmup-requests", type=int, default=2, help="requests run before measuring (JIT, first touch)")
+    w.add_argument("--warmup-fill-budget", action="store_true",
+                   help="the warm-up's first prompts are as long as the longest measured one and as many as "
+                        "fill one step's --max-num-batched-tokens (vLLM's start-up profile run also runs the "
+                        "full token budget): activation memory and GEMM configurations at that size are "
+                        "paid before the measured run")
     w.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft:1000,tpot:100")
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -225,6 +230,7 @@ def run(args) -> int:
                        "model": None if args.model in SHAPES else args.model, "device": args.device,
                        "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
                        "warmup_requests": args.warmup_requests, "temperature": args.temperature,
+                       "warmup_fill_budget": args.warmup_fill_budget,
                        "slo": args.slo, "torch_threads": args.torch_threads}
                 task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)
                 res = _run_worker(cfg, out_dir, prog, task, args.timeout_s, args.torch_threads)

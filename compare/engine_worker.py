@@ -219,8 +219,17 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
     if num_warm:
         max_prompt = min(max(r.prompt_len for r in requests), engine.max_model_len - 9,
                          int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048)))
-        warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
-                            output_len="8", seed=spec.seed + 7919)
+        if cfg.get("warmup_fill_budget"):
+            # prompts of the longest length, enough to fill one step's token budget, as the run's first
+            # steps do: the activations' memory and the GEMM configurations at that size come here
+            budget = int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048))
+            fill = min(max(num_warm, -(-budget // max(1, max_prompt))),
+                       int(cfg.get("knobs", {}).get("max_num_seqs", num_warm)))
+            warm = WorkloadSpec(num_requests=fill, input_len=f"{max(1, max_prompt)}", output_len="8",
+                                seed=spec.seed + 7919)
+        else:
+            warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
+                                output_len="8", seed=spec.seed + 7919)
         wreqs = generate(warm, engine.model_config.vocab_size)
         # then short prompts: the prefill kernel's configuration for query lengths <= 16 (the
         # tails of chunked prompts in mixed steps) compiles here, not in the measured run

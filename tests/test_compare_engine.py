@@ -17,7 +17,7 @@ def test_compare_engine_tiny_both_backends(tmp_path):
                "--num-requests", "4", "--input-len", "8..40", "--output-len", "3..6", "--warmup-requests", "1",
                # a 64-token budget: the warm-up fills one step with 2 prompts of 40, so the run's 4
                # concurrent sequences still map slots the warm-up did not (the vmm counters below)
-               "--max-num-batched-tokens", "64",
+               "--max-num-batched-tokens", "64", "--warmup-fill-budget",
                "--torch-threads", "1", "--max-num-seqs", "4", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())

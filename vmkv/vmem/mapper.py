@@ -245,7 +245,11 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
         old = slot.claimed
         step, units = (1, range(old, claimed)) if claimed > old else (-1, range(claimed, old))
-        pages = [p for p in chain.from_iterable(map(slot.units.get, units, repeat(()))) if p is not None]
+        get = slot.units.get
+        if len(units) == 1:             # a decode step's page boundary
+            pages = [p for p in get(units[0], ()) if p is not None]
+        else:
+            pages = [p for p in chain.from_iterable(map(get, units, repeat(()))) if p is not None]
         self.table.claim_pages(pages, step, self._tick)
         slot.claimed = claimed
 

@@ -191,6 +191,11 @@ class OpenAIServing:
         if bad:
             raise OpenAIError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab - 1}] of the "
                                    "vocabulary", param="stop_token_ids", code="invalid_value")
+        stops = req.stop_list
+        if stops and getattr(engine, "tokenizer", _NO_ATTR) is None:
+            # the engine would raise a bare ValueError, which _add reports as the prompt's fault
+            raise OpenAIError(400, f"stop: stop strings need a tokenizer and this model has none (got "
+                                   f"{stops[0]!r}); use stop_token_ids", param="stop", code="invalid_value")
         try:
             return SamplingParams(
                 n=req.n,
@@ -370,8 +375,15 @@ class OpenAIServing:
         yield SSE_DONE
 
 
+_NO_ATTR = object()
+
+
 def _encode(engine: Any, prompt: str) -> list[int]:
     """Token ids of a completion prompt, the way the engine would tokenize it (engine thread only)."""
+    if getattr(engine, "tokenizer", _NO_ATTR) is None:   # before the engine's own message, which names
+        # prompt_token_ids (the offline API's field), not this API's token-id form of prompt
+        raise OpenAIError(400, "this model has no tokenizer; send prompt as a list of token ids",
+                          param="prompt", code="invalid_value")
     encode = getattr(engine, "encode", None) or getattr(engine, "tokenize", None)
     if callable(encode):
         return list(encode(prompt))

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from engine_helpers import build_tokenizer
+from vmkv.engine.errors import InvalidRequestError
 from vmkv.engine.input_processor import InputProcessor, ProcessedRequest, to_token_ids
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import PromptTooLongError
@@ -87,10 +88,26 @@ def test_without_a_tokenizer_only_token_ids_are_accepted():
     assert proc.process(None, SamplingParams(n=9), prompt_token_ids=[3]).prompt_token_ids == [3]
     with pytest.raises(ValueError, match="no tokenizer"):
         proc.process("text", SamplingParams())
-    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer") as e:
         proc.process(None, SamplingParams(stop=["x"]), prompt_token_ids=[3])
-    with pytest.raises(ValueError, match="has no chat template"):
+    assert e.value.param == "stop" and "'x'" in str(e.value)     # the server's 400 names the field
+    with pytest.raises(InvalidRequestError, match="has no chat template") as e:
         proc.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert e.value.param == "messages"
+
+
+def test_refused_fields_are_named():
+    proc = InputProcessor(None, types.SimpleNamespace(vocab_size=100), MAX_MODEL_LEN, max_num_seqs=4)
+    cases = [(lambda: proc.process(None, SamplingParams(n=5), prompt_token_ids=[1]), "n"),
+             (lambda: proc.process(None, SamplingParams(), prompt_token_ids=[1], cache_salt=""), "cache_salt"),
+             (lambda: proc.process(None, SamplingParams(), prompt_token_ids=[1], cache_salt="a\ud800"),
+              "cache_salt"),
+             (lambda: proc.apply_chat_template([]), "messages"),
+             (lambda: proc.apply_chat_template([{"role": "user", "content": "x\udc00"}]), "messages[0].content")]
+    for call, param in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            call()
+        assert e.value.param == param
 
 
 def test_to_token_ids_accepts_integer_likes():

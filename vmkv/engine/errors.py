@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["RequestFailedError", "FatalEngineError", "is_fatal_error", "check_device", "POISONING_MARKERS"]
+__all__ = ["InvalidRequestError", "RequestFailedError", "FatalEngineError", "is_fatal_error", "check_device", "POISONING_MARKERS"]
 
 #: substrings (matched case-insensitively) of the messages of CUDA errors that poison the context:
 #: the CUDA runtime's texts as torch prints them ("CUDA error: an illegal memory access was
@@ -29,6 +29,20 @@ POISONING_MARKERS = (
     "cuda_error_invalid_pc", "cuda_error_ecc_uncorrectable", "cuda_error_context_is_destroyed",
     "cuda_error_launch_timeout",
 )
+
+
+class InvalidRequestError(ValueError):
+    """A request field the engine refuses before it takes the request, naming the field.
+
+    Attributes:
+        param: the request field at fault (an OpenAI API field name: ``"stop"``, ``"n"``,
+            ``"cache_salt"``, ``"messages[2].content"``, ...), so that the server's 400 names it
+            instead of guessing the prompt.
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestFailedError(RuntimeError):

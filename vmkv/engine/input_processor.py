@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from vmkv.engine.errors import InvalidRequestError
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import PromptTooLongError
 
@@ -78,10 +79,11 @@ class InputProcessor:
             prompt_token_ids = self.encode(prompt)
         ids = self.check_token_ids(prompt_token_ids)
         if self.max_num_seqs is not None and params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}; "
-                             "lower n or raise max_num_seqs")
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}; "
+                                      "lower n or raise max_num_seqs", param="n")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise InvalidRequestError(f"stop strings need a tokenizer and this model has none (got "
+                                      f"{params.stop[0]!r}); use stop_token_ids", param="stop")
         return ProcessedRequest(prompt, ids, params, cache_salt)
 
     def check_token_ids(self, prompt_token_ids: Any) -> list[int]:
@@ -129,14 +131,16 @@ class InputProcessor:
             PromptTooLongError: the messages' text is certainly too long (see :meth:`check_text_len`).
         """
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts",
+                                      param="messages")
         messages = [_text_message(i, m) for i, m in enumerate(messages)]
         for i, m in enumerate(messages):
             check_unicode(m["role"], f"messages[{i}].role")
             check_unicode(m["content"], f"messages[{i}].content")
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.model_name} has no chat template; send a plain prompt")
+            raise InvalidRequestError(f"the tokenizer of {self.model_name} has no chat template; send a plain "
+                                      "prompt", param="messages")
         self.check_text_len(sum(len(m["content"]) for m in messages))
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
@@ -166,15 +170,16 @@ def check_unicode(text: str, field: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{field} contains a lone UTF-16 surrogate {text[e.start]!r} at index {e.start}; "
-                         "send valid Unicode text") from None
+        raise InvalidRequestError(f"{field} contains a lone UTF-16 surrogate {text[e.start]!r} at index "
+                                  f"{e.start}; send valid Unicode text", param=field) from None
 
 
 def check_cache_salt(cache_salt: Any) -> None:
     """Raise ``ValueError`` unless ``cache_salt`` is ``None`` or a non-empty ``str`` of Unicode text
     (no lone surrogate: the server answers such a salt with a 400 too)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        raise InvalidRequestError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}",
+                                  param="cache_salt")
     if cache_salt is not None:
         check_unicode(cache_salt, "cache_salt")
 

@@ -191,11 +191,6 @@ class OpenAIServing:
         if bad:
             raise OpenAIError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab - 1}] of the "
                                    "vocabulary", param="stop_token_ids", code="invalid_value")
-        stops = req.stop_list
-        if stops and getattr(engine, "tokenizer", _NO_ATTR) is None:
-            # the engine would raise a bare ValueError, which _add reports as the prompt's fault
-            raise OpenAIError(400, f"stop: stop strings need a tokenizer and this model has none (got "
-                                   f"{stops[0]!r}); use stop_token_ids", param="stop", code="invalid_value")
         try:
             return SamplingParams(
                 n=req.n,
@@ -226,7 +221,9 @@ class OpenAIServing:
             raise engine_error(exc) from exc
         except ValueError as exc:  # PromptTooLongError, empty prompt, bad messages, bad token ids
             code = "context_length_exceeded" if hasattr(exc, "max_model_len") else "invalid_value"
-            raise OpenAIError(400, str(exc), param=prompt_param, code=code) from exc
+            # a field the engine names (InvalidRequestError.param), else the prompt (or messages)
+            raise OpenAIError(400, str(exc), param=getattr(exc, "param", None) or prompt_param,
+                              code=code) from exc
 
     # ------------------------------------------------------------------ completions
     async def completion_streams(self, req: CompletionRequest, request_id: str, arrival: float

@@ -315,14 +315,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         reserve is left as it is (the top-up creates nothing)."""
         mapper, page = self.cache.mapper, self.cache.page_size_bytes
         idle, created = mapper.num_idle_pages(), mapper.pool.num_created
-        claimed = mapper.table.num_claimed_pages
+        claimed = mapper.num_allocated_pages()
         free_before = self.cache.usage().free_tokens
         released = self.cache.release_idle()
         assert released % page == 0
         # host driver: no fence is ever pending, so everything beyond the reserve goes
         assert mapper.num_idle_pages() == 2, (idle, mapper.num_idle_pages())
         assert mapper.pool.num_created == created - released // page
-        assert mapper.table.num_claimed_pages == claimed
+        assert mapper.num_allocated_pages() == claimed
         assert self.cache.usage().free_tokens == free_before
 
     @precondition(lambda self: self.case.backend == "vmem")

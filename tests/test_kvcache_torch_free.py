@@ -175,7 +175,7 @@ def vmem_allocate_grow_share_free_reclaim(layout_name: str) -> None:
 
     def counts():
         m.check_integrity()
-        return (pool.num_in_use // k, table.num_claimed_pages // k, drv.num_mappings // k,
+        return (pool.num_in_use // k, m.num_allocated_pages() // k, drv.num_mappings // k,
                 m.available_pages() // k)
 
     # allocate 8 tokens = 2 units in the lowest empty slot
@@ -202,7 +202,7 @@ def vmem_allocate_grow_share_free_reclaim(layout_name: str) -> None:
     assert counts() == (4, 4, 6, 2) and not m.any_shared(s1, [2])
     # free the parent: its pages stay mapped (kept); unit 2 is its own, so reclaimable
     m.vacate(s0)
-    assert counts() == (4, 3, 6, 3) and len(table.reclaimable) == k
+    assert counts() == (4, 3, 6, 3) and m.num_reclaimable_pages() == k
     # 4 units do not fit (3 obtainable); 3 do, by reclaiming the parent's kept unit 2
     s2 = pick_slot(m, 4, [])
     assert s2.index == 2 and m.plan_occupy(s2, 4, []) == (4 * k, 3 * k)
@@ -242,7 +242,7 @@ def vmem_prefix_hit_and_out_of_memory() -> None:
     m.check_integrity()
     assert m.pool.num_in_use == 3 and m.refcount(hit[0][0]) == 2 and drv.num_pages == 3
     # the device is full at 3 pages although the pool allows 4: growth fails, nothing changes
-    before = (m.pool.num_in_use, m.table.num_claimed_pages, drv.num_mappings, s1.claimed)
+    before = (m.pool.num_in_use, m.num_allocated_pages(), drv.num_mappings, s1.claimed)
     try:
         with out_of_memory_is_full(drv, 4):
             m.grow(s1, 3, [], copy_below_bytes=8 * m.layout.row_token_bytes)
@@ -251,7 +251,7 @@ def vmem_prefix_hit_and_out_of_memory() -> None:
     else:
         raise AssertionError("growth past the device's pages did not raise KVCacheFullError")
     m.check_integrity()
-    assert (m.pool.num_in_use, m.table.num_claimed_pages, drv.num_mappings, s1.claimed) == before
+    assert (m.pool.num_in_use, m.num_allocated_pages(), drv.num_mappings, s1.claimed) == before
     # both go; reclaiming takes the kept pages without a prefix entry first, the cached one last
     m.vacate(s0)
     m.vacate(s1)

@@ -137,10 +137,10 @@ def test_shrink_never_touches_what_live_sequences_claim_and_cycles_stay_correct(
                 del live[s]
             for s in sorted(live)[:2]:                       # some keep growing
                 cache.extend(s, 256)
-            claimed = cache.mapper.table.num_claimed_pages
+            claimed = cache.mapper.num_allocated_pages()
             t += 1.0
             cache.release_idle(now=t)
-            assert cache.mapper.table.num_claimed_pages == claimed
+            assert cache.mapper.num_allocated_pages() == claimed
             assert cache.mapper.num_idle_pages() == 0        # grace 0, reserve 0: every idle page went
             assert cache.usage().allocated_bytes == claimed * PAGE == cache.backend_stats()["created_bytes"]
             cache.check_integrity()

@@ -113,3 +113,92 @@ def test_warm_admission_reuses_the_kept_pages_without_a_driver_call():
         c.check_integrity()
     finally:
         c.close()
+
+
+def _observe(c: VMemKVCache) -> tuple:
+    """What a user or the scheduler can see of a cache, plus where every page is mapped."""
+    m = c.mapper
+    u = c.usage()
+    return (u.allocated_bytes, u.waste_bytes, u.used_tokens, u.mapped_bytes, u.created_bytes, u.free_tokens,
+            m.available_pages(), m.num_idle_pages(), m.num_allocated_pages(), m.num_reclaimable_pages(),
+            tuple((s.index, s.seq_id, s.claimed if s.seq_id is not None else 0,
+                   tuple(sorted((k, tuple(v)) for k, v in s.units.items()))) for s in m.slots),
+            _idle_last_use(m))
+
+
+def _idle_last_use(m) -> dict:
+    """The last-use tick of every page the eviction order may read (mapped pages no live sequence
+    claims, and cached free ones), a parked slot's pages at its vacate tick."""
+    parked = {p: s.free_tick for s in m.slots if m.is_parked(s)
+              for u in range(s.claimed) for p in s.units.get(u, ()) if p is not None}
+    return {**{p: m.table.last_use[p] for p in m.table.reclaimable | m.pool.cached_pages()}, **parked}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_parked_slots_behave_as_released_ones(seed, monkeypatch):
+    """Two caches run the same random operations, one parking freed slots and one releasing their
+    claims at once: after every operation both show the same usage, counts and mappings, and the same
+    pages go back to the driver on an elastic release."""
+    rng = random.Random(seed)
+    caches = [VMemKVCache(SPEC, max_num_seqs=5, max_model_len=MAX_LEN, memory_bytes=30 * 8192,
+                          driver="host", page_size_bytes=8192, enable_prefix_caching=bool(seed % 2),
+                          kv_reserve_bytes=2 * 8192, kv_shrink_grace_s=0.0)
+              for _ in range(2)]
+    monkeypatch.setattr(caches[1].mapper, "_park", lambda slot: False)
+    parks = 0
+    try:
+        lens: dict[int, int] = {}
+        next_id = 0
+        prompt = [rng.randrange(40) for _ in range(MAX_LEN)]
+        for step in range(300):
+            op = rng.choice(["alloc", "alloc", "extend", "free", "free", "fork", "release"])
+            live = list(lens)
+            args = None
+            if op == "alloc" or not live:
+                if len(lens) < 5:
+                    n = rng.randint(1, MAX_LEN)
+                    args = ("allocate", next_id, n, prompt[:n] if rng.random() < 0.3 else None)
+            elif op == "extend":
+                seq = rng.choice(live)
+                k = rng.randint(1, 12)
+                if lens[seq] + k <= MAX_LEN:
+                    args = ("extend", seq, k)
+            elif op == "fork":
+                if len(lens) < 5:
+                    args = ("fork", rng.choice(live), next_id)
+            elif op == "free":
+                args = ("free", rng.choice(live))
+            else:
+                args = ("release_idle",)
+            if args is None:
+                continue
+            outcomes = []
+            for c in caches:
+                try:
+                    if args[0] == "release_idle":
+                        outcomes.append(c.release_idle(now=float(step)))
+                    else:
+                        outcomes.append(getattr(c, args[0])(*args[1:]))
+                except KVCacheFullError as e:
+                    outcomes.append(("full", str(e)))
+                c.check_integrity()
+            assert outcomes[0] == outcomes[1], (step, args, outcomes)
+            if not isinstance(outcomes[0], tuple):
+                if args[0] == "allocate":
+                    lens[args[1]] = args[2]
+                    next_id += 1
+                elif args[0] == "extend":
+                    lens[args[1]] += args[2]
+                elif args[0] == "fork":
+                    lens[args[2]] = lens[args[1]]
+                    next_id += 1
+                elif args[0] == "free":
+                    del lens[args[1]]
+            parks = max(parks, caches[0].mapper.num_parks)
+            a, b = (_observe(c) for c in caches)
+            assert a == b, (step, args)
+        assert parks > 0, "no slot was parked: the test did not exercise parking"
+        assert caches[1].mapper.num_parks == 0
+    finally:
+        for c in caches:
+            c.close()

@@ -45,7 +45,7 @@ def _count_creations(cache, monkeypatch, fail=None) -> dict:
 
 def _state(cache) -> tuple:
     m = cache.mapper
-    return m.pool.num_created, m.num_idle_pages(), m.pool.num_free, m.table.num_claimed_pages
+    return m.pool.num_created, m.num_idle_pages(), m.pool.num_free, m.num_allocated_pages()
 
 
 def test_release_idle_tops_the_reserve_up_and_counts_the_pages_as_created_and_idle():

@@ -85,7 +85,7 @@ class ElasticMixin:
 
     def num_idle_pages(self) -> int:
         """Created pages no live sequence claims (see the module docstring)."""
-        return self.pool.num_created - self.table.num_claimed_pages
+        return self.pool.num_created - self.num_allocated_pages()
 
     def top_up_idle(self, reserve_pages: int, max_pages: int) -> int:
         """Create pages (plain free) until ``reserve_pages`` are idle, at most ``max_pages`` of them
@@ -119,6 +119,8 @@ class ElasticMixin:
 
         drain()
         if released < num_pages:
+            if self._parked:
+                self.unpark_all()         # their pages become reclaimable, as at their vacate
             candidates = (self.table.reclaimable | self.pool.cached_pages()) - self._pending
             for page in self._eviction_order(candidates):
                 if released >= num_pages:

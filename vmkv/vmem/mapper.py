@@ -42,9 +42,11 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from vmkv.kvcache.prefix import PrefixIndex
+from vmkv.vmem.free_slots import FreeSlotIndex
 from vmkv.vmem.elastic import ElasticMixin
 from vmkv.vmem.mapper_check import MapperCheckMixin
 from vmkv.vmem.page_pool import PagePool, PagePoolExhaustedError, creation_out_of_memory
+from vmkv.vmem.parking import ParkingMixin
 from vmkv.vmem.protocol import VMMError
 from vmkv.vmem.slot_ops import SlotOpsMixin
 
@@ -87,10 +89,11 @@ class Slot:
         return None if pages is None else pages[res]
 
 
-class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
+class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
     """Owns the reservations, the slots and every map/unmap of the vmem backend: the primitives and
     reclamation here, the operations in :class:`~vmkv.vmem.slot_ops.SlotOpsMixin`, the release of
-    idle pages in :class:`~vmkv.vmem.elastic.ElasticMixin`, statistics and checks in
+    idle pages in :class:`~vmkv.vmem.elastic.ElasticMixin`, freed slots' claims released lazily in
+    :class:`~vmkv.vmem.parking.ParkingMixin`, statistics and checks in
     :class:`~vmkv.vmem.mapper_check.MapperCheckMixin`.
 
     Torch-free: it deals in addresses and page handles; the cache makes the tensors over
@@ -117,9 +120,11 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
                 driver.free_reservation(va, layout.reservation_bytes)
             raise
         self.slots = [Slot(i) for i in range(layout.max_num_seqs)]
+        self.free_slots = FreeSlotIndex(len(self.slots))    # free slots by kept units (free_slots.py)
         self.table = pool.table          # the one page table (page_table.py)
         self._pending: set[int] = set()      # sources of copies planned but not yet made
         self._tick = 0
+        self._init_parking()
         # per page: batch wall time / pages in the batch; per batch: wall time and page count
         self.map_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
         self.map_batch_us: collections.deque = collections.deque(maxlen=_MAX_SAMPLES)
@@ -157,6 +162,15 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         num_res = self.num_res
         return sum(num_res - pages.count(None) for u, pages in units.items() if u < num_units)
 
+    def _set_occupant(self, slot: Slot, seq_id: int | None) -> None:
+        """Give ``slot`` to ``seq_id``, or free it (``None``), keeping :attr:`free_slots` current."""
+        if seq_id is None:
+            slot.seq_id = None
+            self.free_slots.add(slot.index, len(slot.units))
+        else:
+            slot.seq_id = seq_id
+            self.free_slots.remove(slot.index)
+
     def _access_runs(self, targets: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``(va, nbytes)`` of the maximal runs of adjacent pages among ``targets`` (``(res, va)`` of
         one page each): same reservation, consecutive addresses."""
@@ -180,6 +194,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         if not items:
             return
         entries, units, bases = self.table.entries, slot.units, self.bases
+        num_kept = len(units)
         # unit_offset is the slot row's offset plus unit * page_size_bytes (layout.py)
         row, page_bytes = self.layout.unit_offset(slot.index, 0), self.layout.page_size_bytes
         targets = []                    # (res, va) per item
@@ -222,6 +237,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
             if pages is None:
                 pages = units[unit] = [None] * self.num_res
             pages[res] = page
+        if len(units) != num_kept:
+            self.free_slots.move(slot.index, len(units))     # a no-op unless the slot is free
         self.table.add_mappings(items, slot.index, 0 if slot.seq_id is None else slot.claimed, self._tick)
 
     def _unmap(self, slot: Slot, unit: int, res: int) -> int:
@@ -237,6 +254,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         slot.mapped_to = min(slot.mapped_to, unit)
         if all(p is None for p in pages):
             del slot.units[unit]
+            self.free_slots.move(slot.index, len(slot.units))
         if self.table.remove_mapping(page, slot.index, self._is_claimed(slot, unit)) == 0:
             self.pool.unmapped(page)          # back to the pool: cached free if it has an entry
         return page
@@ -281,9 +299,17 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         self.pool.forget(page)
 
     # ------------------------------------------------------------------ capacity
+    def num_allocated_pages(self) -> int:
+        """Pages a live sequence claims (the page table's count, less parked slots' pages)."""
+        return self.table.num_claimed_pages - self.num_parked_pages
+
+    def num_reclaimable_pages(self) -> int:
+        """Mapped pages no live sequence claims (kept pages, parked slots' included)."""
+        return len(self.table.reclaimable) + self.num_parked_pages
+
     def available_pages(self) -> int:
-        """Pages an operation could obtain: pool pages + reclaimable kept pages."""
-        return self.pool.num_available + len(self.table.reclaimable)
+        """Pages an operation could obtain: pool pages + reclaimable kept pages (parked slots' too)."""
+        return self.pool.num_available + len(self.table.reclaimable) + self.num_parked_pages
 
     def _eviction_order(self, candidates: Iterable[int]) -> list[int]:
         """Pages without a prefix entry first, then least recently used; among pages used at the
@@ -300,6 +326,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, MapperCheckMixin):
         or reclaimable kept ones, unmapped); never a page in ``exclude``.  ``wait=False``: skip a
         kept page whose fence is pending instead of waiting for it.  Returns the number of pages
         made available."""
+        if self._parked:
+            self.unpark_all()             # their pages become reclaimable, as at their vacate
         start = self.pool.num_plain_available
         target = start + num_pages
         reclaimed = evicted = 0

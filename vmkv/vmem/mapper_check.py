@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from vmkv.vmem.free_slots import FreeSlotIndex
+
 __all__ = ["MapperCheckMixin"]
 
 
@@ -50,6 +52,10 @@ class MapperCheckMixin:
             "num_topped_up_pages": self.num_topped_up_pages,
             "num_idle_pages": self.num_idle_pages(),
             "num_reused_on_oom": self.num_reused_on_oom,
+            "num_parked_slots": len(self._parked),
+            "num_parked_pages": self.num_parked_pages,
+            "num_parks": self.num_parks,
+            "num_adoptions": self.num_adoptions,
         }
 
     def check_integrity(self) -> None:
@@ -58,9 +64,19 @@ class MapperCheckMixin:
         driver."""
         walk: dict[int, tuple] = {}        # page -> ((res, unit), slots, claimed mappings)
         expected_va: dict[int, int] = {}   # va -> page
+        parked_pages = 0
         for slot in self.slots:
-            if slot.is_free and slot.claimed:
+            parked = self.is_parked(slot)
+            if parked and not slot.is_free:
+                raise AssertionError(f"live slot {slot.index} is parked")
+            if slot.is_free and slot.claimed and not parked:
                 raise AssertionError(f"free slot {slot.index} claims {slot.claimed} units")
+            if parked:
+                parked_pages += slot.claimed * self.num_res
+                for u in range(slot.claimed):
+                    for p in slot.units.get(u, ()):
+                        if p is not None and (self.pool.refcount(p) != 1 or self.prefix.is_cached(p)):
+                            raise AssertionError(f"parked slot {slot.index} holds page {p}, shared or cached")
             for u in range(slot.claimed):
                 if any(p is None for p in slot.units.get(u, [None])):
                     raise AssertionError(f"slot {slot.index} claims unit {u} but it is not fully mapped")
@@ -78,8 +94,12 @@ class MapperCheckMixin:
                     if pos != (r, u):
                         raise AssertionError(f"page {p} mapped at (reservation, unit) {pos} and {(r, u)}")
                     slots.add(slot.index)
-                    walk[p] = (pos, slots, claimed + self._is_claimed(slot, u))
+                    walk[p] = (pos, slots, claimed + (self._is_claimed(slot, u) or (parked and u < slot.claimed)))
                     expected_va[self.va(r, slot.index, u)] = p
+        self.free_slots.check({s.index: len(s.units) for s in self.slots if s.is_free})
+        if parked_pages != self.num_parked_pages:
+            raise AssertionError(f"parked slots hold {parked_pages} claimed pages, the count says "
+                                 f"{self.num_parked_pages}")
         self.table.check_against(walk)
         check_driver = getattr(self.driver, "check_mappings", None)
         if check_driver is not None:
@@ -109,6 +129,7 @@ class MapperCheckMixin:
     def close(self) -> None:
         """Unmap everything (after all queued work), release the pages and the reservations."""
         self._sync()
+        self.unpark_all()
         self.prefix.clear()
         for slot in self.slots:
             self._set_claimed(slot, 0)
@@ -117,6 +138,7 @@ class MapperCheckMixin:
                 for r in range(self.num_res):
                     if slot.page(u, r) is not None:
                         self._unmap(slot, u, r)
+        self.free_slots = FreeSlotIndex(len(self.slots))
         self.pool.close()
         for va in self.bases:
             self.driver.free_reservation(va, self.layout.reservation_bytes)

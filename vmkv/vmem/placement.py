@@ -68,24 +68,17 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
         fit = (0, kept - num_units) if kept >= num_units else (1, num_units - kept)
         return (num_units * num_res - num_res * min(kept, num_units), fit, s.index)
 
-    # slots that keep no pages all score alike: only the lowest-index one competes (keeps the
-    # choice O(slots with kept pages) instead of O(free slots x units) per admission)
-    candidates, empty = [], None
-    for s in mapper.slots:
-        if s.seq_id is None and s.index not in exclude:
-            if s.units:
-                candidates.append(s)
-            elif empty is None:
-                empty = s                   # mapper.slots is in index order
-    if empty is not None:
-        candidates.append(empty)
-    if not candidates:
-        return None
-    # exact best key with the fewest page walks: candidates in the order of their lower bound; once a
-    # bound exceeds the best key found, no later candidate can beat it (a slot whose kept pages all
-    # fit ends the search at once, the common warm admission)
+    # exact best key with the fewest page walks: free slots in the order of their lower bound (kept by
+    # the mapper, free_slots.py); once a bound exceeds the best key found, no later slot can beat it (a
+    # slot whose kept pages all fit ends the search at once, the common warm admission; of the slots
+    # that keep nothing, only the lowest-index one is scored)
+    slots = mapper.slots
     best, best_key = None, None
-    for low, s in sorted(((lower_key(s), s) for s in candidates), key=lambda t: t[0]):
+    for index in mapper.free_slots.in_bound_order(num_units):
+        if index in exclude:
+            continue
+        s = slots[index]
+        low = lower_key(s)
         if best_key is not None and low > best_key:
             break
         k = (calls(s), low[1], low[2])

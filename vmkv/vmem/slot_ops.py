@@ -32,7 +32,8 @@ class SlotOpsMixin:
         holes = sum(1 for u in units for r in range(self.num_res) if slot.page(u, r) is None)
         need = holes + len(cached)
         others = self.table.reclaimable - exclude - staying
-        plain = self.pool.num_plain_available + sum(1 for p in others if not self.prefix.is_cached(p))
+        plain = (self.pool.num_plain_available + self.num_parked_pages
+                 + sum(1 for p in others if not self.prefix.is_cached(p)))
         if need > plain:
             candidates = (others | self.pool.cached_pages() | {p for *_, p in cached}) - exclude
             order = self._eviction_order(p for p in candidates if self.prefix.is_cached(p))
@@ -114,7 +115,8 @@ class SlotOpsMixin:
         without a prefix entry or get fresh ones (kept cached pages move out, see
         :meth:`_move_out_cached`)."""
         assert slot.is_free, f"slot {slot.index} is live"
-        slot.seq_id = seq_id
+        self._set_occupant(slot, seq_id)
+        self.adopt(slot, num_units)         # a parked slot's claims become this sequence's
         # no hit, no page shared or cached anywhere: every kept page stays, nothing moves out
         fast = not hits and self.unshared()
         if not fast:
@@ -137,7 +139,7 @@ class SlotOpsMixin:
             self._fill_holes(slot, range(num_units), lambda u, r: hits[u][r] if u < len(hits) else None)
         except BaseException:
             self._set_claimed(slot, 0)      # the slot stays free; what got mapped is kept
-            slot.seq_id = None
+            self._set_occupant(slot, None)
             raise
 
     # ------------------------------------------------------------------ grow (extend)
@@ -268,7 +270,8 @@ class SlotOpsMixin:
     def share(self, child: Slot, parent: Slot, seq_id: int, num_units: int) -> None:
         """Give free ``child`` to ``seq_id``, mapping the parent's pages of units ``[0, num_units)``."""
         assert child.is_free, f"slot {child.index} is live"
-        child.seq_id = seq_id
+        self._set_occupant(child, seq_id)
+        self.adopt(child, num_units)
         for u in range(num_units):
             for r in range(self.num_res):
                 cur = child.page(u, r)
@@ -280,14 +283,16 @@ class SlotOpsMixin:
             self._fill_holes(child, range(num_units), parent.page)
         except BaseException:
             self._set_claimed(child, 0)
-            child.seq_id = None
+            self._set_occupant(child, None)
             raise
 
     def vacate(self, slot: Slot) -> None:
-        """Free a live slot; its pages stay mapped (kept) behind a fence recorded now."""
+        """Free a live slot; its pages stay mapped (kept) behind a fence recorded now, and its claims
+        are released now or, when nothing could tell the difference, lazily (parking.py)."""
         self._tick += 1
-        self._set_claimed(slot, 0)
-        slot.seq_id = None
+        if not self._park(slot):
+            self._set_claimed(slot, 0)
+        self._set_occupant(slot, None)
         slot.fence = self.driver.record_fence()
         slot.free_tick = self._tick
 
@@ -325,7 +330,7 @@ class SlotOpsMixin:
         if hits:                          # a free slot: its prefix-hit pages first, where it has holes
             assert slot.is_free, f"slot {slot.index} is live"
             mapped = self._fill_holes(slot, range(len(hits)), given=lambda u, r: hits[u][r], reuse=False)
-        start = max(slot.claimed, len(hits))
+        start = max(0 if slot.seq_id is None else slot.claimed, len(hits))     # a parked slot: from 0
         if num_units <= max(slot.mapped_to, start) and not mapped:
             return 0                      # mapped by an earlier prefetch (no unmap since)
         budget = self.pool.num_plain_available

@@ -212,7 +212,7 @@ class VMemStatsMixin:
     def _memory_usage(self) -> dict:
         """O(1): counters kept by the operations (checked against :meth:`_usage_walk`)."""
         page = self.layout.page_size_bytes
-        allocated = self.mapper.table.num_claimed_pages * page
+        allocated = self.mapper.num_allocated_pages() * page
         used = (self.seqs.num_used_tokens * self.layout.row_token_bytes * self.layout.pages_per_unit
                 - self._shared_used_bytes)
         return dict(allocated_bytes=allocated, waste_bytes=allocated - used,

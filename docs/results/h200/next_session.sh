@@ -16,7 +16,8 @@
 #   async scheduling. vmem's `alloc %` column is its critical-path allocation share (target <= 1%).
 # PART=2 issue 11 shared-prefix (both backends), then issue 12's shrink off/on on vmem (the 128..512
 #   workload, --kv-shrink-grace-s inf beside the default, alternating): "shrinking costs no throughput".
-# PART=3 issue 12 allocator peers, run 5 (vmem's counting warm paths, 99a6d9a): issue12/alloc_peers/run4.sh.
+# PART=3 issue 12 allocator peers, run 5 (vmem's counting warm paths 99a6d9a and parked slots cd27a92:
+#   warm admission 0.12-0.19 ms at run 4 against vAttention's 0.018): issue12/alloc_peers/run4.sh.
 # PART=4 issue 12 co-location long enough that a burst needs more KV than a static split gives (3 bursts
 #   of 192 prompts), both backends with client timings.
 set -u

@@ -11,7 +11,7 @@ import torch
 
 from vmkv import KVCacheFullError, KVCacheSpec
 from vmkv.vmem import VMemKVCache
-from vmkv.vmem.placement import pick_slot
+from vmkv.vmem.placement import pick_fork_slot, pick_slot
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: every driver call validated
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
@@ -42,6 +42,18 @@ def _check_decisions(c: VMemKVCache, n: int) -> None:
     for s in c.seqs.values():
         args = (s.units, range(s.units.claimed), s.seq_len)
         assert c._shared_bytes_of(*args) == _walked(m, lambda: c._shared_bytes_of(*args))
+
+
+def _check_fork_slot(c: VMemKVCache, parent, num_units: int) -> None:
+    """pick_fork_slot against its definition: the free slot with the fewest kept pages that differ
+    from the parent's first ``num_units`` units, then the lowest index (every free slot scored)."""
+    m = c.mapper
+
+    def mismatches(s):
+        return sum(1 for u in range(num_units) for r in range(m.num_res)
+                   if s.page(u, r) is not None and s.page(u, r) != parent.page(u, r))
+    want = min((s for s in m.slots if s.is_free), key=lambda s: (mismatches(s), s.index))
+    assert pick_fork_slot(m, parent, num_units) is want
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -80,6 +92,7 @@ def test_counting_paths_decide_as_the_walks_do(seed, prefix_caching):
                 elif op == "fork":
                     if len(lens) < c.max_num_seqs:
                         parent = rng.choice(live)
+                        _check_fork_slot(c, c.seqs.get(parent).units, c.layout.num_units(lens[parent]))
                         c.fork(parent, next_id)
                         lens[next_id] = lens[parent]
                         next_id += 1
@@ -202,3 +215,25 @@ def test_parked_slots_behave_as_released_ones(seed, monkeypatch):
     finally:
         for c in caches:
             c.close()
+
+
+def test_a_fork_reuses_a_freed_sibling_slot_that_keeps_the_parent_pages():
+    """A freed fork child keeps the parent's pages mapped: the next fork takes its slot (no page
+    differs, so no map), though a slot keeping nothing is free at a higher index."""
+    c = VMemKVCache(SPEC, max_num_seqs=4, max_model_len=MAX_LEN, memory_bytes=1 << 24, driver="host",
+                    page_size_bytes=8192, enable_prefix_caching=False)
+    try:
+        c.allocate(0, 40)
+        c.fork(0, 1)
+        c.fork(0, 2)
+        sibling = c.seqs.get(1).units
+        c.free(1)
+        assert c.mapper.free_slots.lowest_empty() is not None
+        assert c.mapper.free_slots.lowest_empty() > sibling.index
+        maps = c.mapper.num_maps
+        c.fork(0, 3)
+        assert c.seqs.get(3).units is sibling and c.mapper.num_maps == maps
+        _check_fork_slot(c, c.seqs.get(0).units, c.layout.num_units(40))
+        c.check_integrity()
+    finally:
+        c.close()

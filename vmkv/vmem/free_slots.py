@@ -45,6 +45,11 @@ class FreeSlotIndex:
         self.remove(index)
         self.add(index, kept)
 
+    def lowest_empty(self) -> int | None:
+        """The lowest index of a free slot that keeps no pages, or ``None``."""
+        order = self._order
+        return order[0][1] if order and order[0][0] == 0 else None
+
     def in_bound_order(self, num_units: int) -> Iterator[int]:
         """Free slot indices in ascending order of :func:`~vmkv.vmem.placement.pick_slot`'s lower
         bound for an admission of ``num_units`` units: those keeping ``>= num_units`` units by

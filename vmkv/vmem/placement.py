@@ -88,10 +88,45 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
 
 
 def pick_fork_slot(mapper: SlotMapper, parent: Slot, num_units: int) -> Slot:
-    """The free slot whose kept pages differ least from ``parent``'s first ``num_units`` units."""
-    res = range(mapper.num_res)
+    """The free slot whose kept pages differ least from ``parent``'s first ``num_units`` units (a page
+    kept at a position where the parent maps another one must be unmapped before the fork maps the
+    parent's), then the lowest index.
 
-    def mismatches(s: Slot) -> int:
-        return sum(1 for u in range(num_units) for r in res
-                   if s.page(u, r) is not None and s.page(u, r) != parent.page(u, r))
-    return min((s for s in mapper.slots if s.is_free), key=lambda s: (mismatches(s), s.index))
+    Free slots are scored in index order, each walk stopping once it cannot beat the best so far; a
+    slot that keeps no pages differs nowhere, so the lowest-index such slot ends the search (found in
+    O(1) from :attr:`SlotMapper.free_slots`) and only free slots below it are scored.
+
+    Raises:
+        ValueError: no slot is free (the cache checks the slot count first).
+    """
+    parent_units = parent.units
+    empty = mapper.free_slots.lowest_empty()
+    end = len(mapper.slots) if empty is None else empty
+
+    def mismatches(s: Slot, bound: int) -> int:
+        n = 0
+        for u, pages in s.units.items():
+            if u >= num_units:
+                continue
+            theirs = parent_units.get(u)
+            for r, p in enumerate(pages):
+                if p is not None and (theirs is None or theirs[r] != p):
+                    n += 1
+            if n >= bound:
+                break
+        return n
+
+    best, best_n = None, None
+    for s in mapper.slots[:end]:
+        if s.seq_id is not None:
+            continue
+        n = mismatches(s, best_n if best_n is not None else 1 << 62)
+        if best_n is None or n < best_n:
+            best, best_n = s, n
+            if n == 0:
+                return s
+    if empty is not None:
+        return mapper.slots[empty]
+    if best is None:
+        raise ValueError("no free slot to fork into")
+    return best

@@ -21,7 +21,7 @@ MAX_LEN = 96
 def _walked(mapper, fn):
     """``fn()`` with the counting shortcuts off: every decision comes from the page walks."""
     saved = mapper.unshared
-    mapper.unshared = lambda: False
+    mapper.unshared = lambda slot: False
     try:
         return fn()
     finally:
@@ -103,8 +103,11 @@ def test_counting_paths_decide_as_the_walks_do(seed, prefix_caching):
             except KVCacheFullError:
                 pass
             c.check_integrity()
-            if not prefix_caching and not any(c.mapper.refcount(p) > 1 for p in c.mapper.table.entries):
-                assert c.mapper.unshared()
+            if not prefix_caching:
+                for slot in c.mapper.slots:
+                    private = all(c.mapper.refcount(p) == 1 for pages in slot.units.values()
+                                  for p in pages if p is not None)
+                    assert c.mapper.unshared(slot) == private
     finally:
         c.close()
 
@@ -234,6 +237,33 @@ def test_a_fork_reuses_a_freed_sibling_slot_that_keeps_the_parent_pages():
         c.fork(0, 3)
         assert c.seqs.get(3).units is sibling and c.mapper.num_maps == maps
         _check_fork_slot(c, c.seqs.get(0).units, c.layout.num_units(40))
+        c.check_integrity()
+    finally:
+        c.close()
+
+
+def test_a_fork_elsewhere_leaves_other_slots_on_the_counting_paths():
+    """Sharing is tracked per slot (``PageTable.shared_positions``): a live fork keeps its own two slots
+    on the page walks, while another sequence's slot is still parked on free and adopted on reuse."""
+    c = VMemKVCache(SPEC, max_num_seqs=5, max_model_len=MAX_LEN, memory_bytes=1 << 24, driver="host",
+                    page_size_bytes=8192, enable_prefix_caching=False)
+    try:
+        m = c.mapper
+        c.allocate(0, 40)
+        c.fork(0, 1)
+        child = c.seqs.get(1).units
+        shared = {c.seqs.get(0).units.index, child.index}
+        assert set(m.table.shared_positions) == shared
+        c.allocate(2, MAX_LEN)
+        slot = c.seqs.get(2).units
+        assert m.unshared(slot) and not any(m.unshared(m.slots[i]) for i in shared)
+        c.free(2)
+        assert m.is_parked(slot) and m.num_parks == 1
+        maps = m.num_maps
+        c.allocate(3, MAX_LEN)
+        assert c.seqs.get(3).units is slot and m.num_adoptions == 1 and m.num_maps == maps
+        c.free(1)                       # the child's slot keeps the parent's pages: still shared
+        assert set(m.table.shared_positions) == shared and not m.is_parked(child)
         c.check_integrity()
     finally:
         c.close()

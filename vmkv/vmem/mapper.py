@@ -146,12 +146,13 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
     def _is_claimed(slot: Slot, unit: int) -> bool:
         return slot.seq_id is not None and unit < slot.claimed
 
-    def unshared(self) -> bool:
-        """O(1): is every mapped page mapped in one slot only (no fork, no prefix hit shares a page),
-        and does no page hold a prefix-cache unit?  Then every kept page of a slot is reused in place
-        by a new occupant, and the walks of :meth:`plan_occupy`, :meth:`occupy` and
-        :func:`~vmkv.vmem.placement.pick_slot` reduce to counting (:meth:`mapped_below`)."""
-        return self.table.num_mappings == self.table.num_mapped_pages and not len(self.prefix)
+    def unshared(self, slot: Slot) -> bool:
+        """O(1): is every page mapped in ``slot`` mapped there only (no fork or prefix hit shares one
+        with another slot), and does no page of the pool hold a prefix-cache unit?  Then every kept
+        page of the slot is reused in place by a new occupant, and the walks of :meth:`plan_occupy`,
+        :meth:`occupy` and :func:`~vmkv.vmem.placement.pick_slot` over it reduce to counting
+        (:meth:`mapped_below`)."""
+        return slot.index not in self.table.shared_positions and not len(self.prefix)
 
     def mapped_below(self, slot: Slot, num_units: int) -> int:
         """Pages mapped in units ``[0, num_units)`` of ``slot``: O(1) when none of its units lies at

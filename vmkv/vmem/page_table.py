@@ -41,6 +41,9 @@ class PageTable:
         num_claimed_pages: pages with at least one claimed mapping (allocated pages).
         num_mapped_pages: pages with at least one mapping.
         num_mappings: mappings in total (what the driver has mapped, guards aside).
+        shared_positions: slot index -> how many of its mappings are of a page mapped in another
+            slot too (absent: none), so an operation on one slot knows in O(1) whether any of its
+            pages is shared.
     """
 
     def __init__(self) -> None:
@@ -50,6 +53,7 @@ class PageTable:
         self.num_claimed_pages = 0
         self.num_mapped_pages = 0
         self.num_mappings = 0
+        self.shared_positions: dict[int, int] = {}
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, page: int) -> bool:
@@ -74,6 +78,31 @@ class PageTable:
 
     def slots_of(self, page: int) -> set[int]:
         return self.entries[page].slots
+
+    def _shared_delta(self, slot: int, delta: int) -> None:
+        n = self.shared_positions.get(slot, 0) + delta
+        if n:
+            self.shared_positions[slot] = n
+        else:
+            del self.shared_positions[slot]
+
+    def _joined(self, e: PageEntry, slot: int) -> None:
+        """``slot`` was just added to ``e.slots``: the shared-position counts follow."""
+        k = len(e.slots)
+        if k == 2:
+            for s in e.slots:
+                self._shared_delta(s, 1)
+        elif k > 2:
+            self._shared_delta(slot, 1)
+
+    def _left(self, e: PageEntry, slot: int) -> None:
+        """``slot`` was just removed from ``e.slots``."""
+        k = len(e.slots)
+        if k == 1:
+            self._shared_delta(slot, -1)
+            self._shared_delta(next(iter(e.slots)), -1)
+        elif k > 1:
+            self._shared_delta(slot, -1)
 
     # ------------------------------------------------------------------ pool side
     def add(self, page: int) -> None:
@@ -104,6 +133,8 @@ class PageTable:
             self.num_mapped_pages += 1
         entry.pos = (res, unit)
         entry.slots.add(slot)
+        if len(entry.slots) > 1:
+            self._joined(entry, slot)
         self.num_mappings += 1
         self.last_use[page] = tick
         self._claim(page, entry, int(claimed))
@@ -123,6 +154,8 @@ class PageTable:
                 num_mapped += 1
             e.pos = (res, unit)
             e.slots.add(slot)
+            if len(e.slots) > 1:
+                self._joined(e, slot)
             last_use[page] = tick
             if unit < claimed_units:
                 num_claimed += not e.num_claimed
@@ -139,6 +172,8 @@ class PageTable:
         until :meth:`remove`, the pool's call)."""
         entry = self.entries[page]
         entry.slots.remove(slot)
+        if entry.slots:
+            self._left(entry, slot)
         self.num_mappings -= 1
         self._claim(page, entry, -int(claimed))
         if not entry.slots:
@@ -209,6 +244,13 @@ class PageTable:
                 raise AssertionError(f"page {p}: table says {e.pos} in slots {sorted(e.slots)} "
                                      f"({e.num_claimed} claimed), the slots say {pos} in "
                                      f"{sorted(slots)} ({claimed} claimed)")
+        shared: dict[int, int] = {}
+        for _, slots, _ in mappings.values():
+            if len(slots) > 1:
+                for s in slots:
+                    shared[s] = shared.get(s, 0) + 1
+        if shared != self.shared_positions:
+            raise AssertionError(f"shared positions per slot {self.shared_positions}, the slots say {shared}")
         expected = {p for p, (_, _, claimed) in mappings.items() if claimed == 0}
         if expected != self.reclaimable:
             raise AssertionError(f"reclaimable set has {len(self.reclaimable)} pages, "

@@ -6,8 +6,9 @@ and the next admission into the slot claims them again page by page: for a 2048-
 pages, 128 page-table updates each way on the host, while the memory underneath does not change at all.
 vAttention (Prabhu et al., ASPLOS'25, section 5.3, deferred reclamation) hands a freed request slot's
 pages to the next request with no per-page work.  Here a slot is **parked** instead when it is freed and
-nothing can observe the difference: no page of the pool is mapped in two slots and none holds a
-prefix-cache unit (:meth:`SlotMapper.unshared`), so every page the slot claims is claimed by it alone.
+nothing can observe the difference: no page of the slot is mapped in another slot and no page of the
+pool holds a prefix-cache unit (:meth:`SlotMapper.unshared`), so every page the slot claims is claimed
+by it alone.
 
 A parked slot is free (``seq_id is None``) but keeps ``claimed`` and its pages keep their claim counts.
 Every reader of the claim state sees the pages as released: :attr:`num_parked_pages` is added to the
@@ -46,7 +47,7 @@ class ParkingMixin:
     def _park(self, slot: Slot) -> bool:
         """Park live ``slot`` as it is freed, if no page is shared or cached (module docstring);
         returns whether it did (else the caller releases the claims now)."""
-        if not slot.claimed or not self.unshared():
+        if not slot.claimed or not self.unshared(slot):
             return False
         self._parked.add(slot.index)
         self.num_parked_pages += slot.claimed * self.num_res   # claimed units are fully mapped

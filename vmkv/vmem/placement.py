@@ -40,11 +40,11 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
     entries, num_res, num_hits = mapper.table.entries, mapper.num_res, len(hits)
     # no prefix entry at all (prefix caching off, or nothing cached yet): no page is cached
     is_cached = mapper.prefix.is_cached if len(mapper.prefix) else frozenset().__contains__
-    # no hit, and no page shared or cached: each kept page below num_units saves its map
-    counting = not num_hits and mapper.unshared()
+    # no hit, and no page of the slot shared, none cached: each kept page below num_units saves its map
+    unshared = mapper.unshared if not num_hits else lambda s: False
 
     def calls(s: Slot) -> int:
-        if counting:
+        if unshared(s):
             return num_units * num_res - mapper.mapped_below(s, num_units)
         n = num_units * num_res         # a map per position, corrected for what is in place
         for u, pages in s.units.items():

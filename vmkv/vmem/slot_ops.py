@@ -89,7 +89,7 @@ class SlotOpsMixin:
     # ------------------------------------------------------------------ occupy (allocate)
     def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`occupy`."""
-        if not hits and self.unshared():        # every kept page below num_units is reused in place
+        if not hits and self.unshared(slot):    # every kept page below num_units is reused in place
             kept = self.mapped_below(slot, num_units)
             return num_units * self.num_res - kept, self.available_pages() - kept
         reclaimable, is_cached_free = self.table.reclaimable, self.pool.is_cached_free
@@ -118,7 +118,7 @@ class SlotOpsMixin:
         self._set_occupant(slot, seq_id)
         self.adopt(slot, num_units)         # a parked slot's claims become this sequence's
         # no hit, no page shared or cached anywhere: every kept page stays, nothing moves out
-        fast = not hits and self.unshared()
+        fast = not hits and self.unshared(slot)
         if not fast:
             get, entries = slot.units.get, self.table.entries
             for u in range(num_units):

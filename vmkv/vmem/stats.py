@@ -196,8 +196,8 @@ class VMemStatsMixin:
         """Bytes of the claimed mappings among ``units`` of ``slot`` whose page another slot also
         claims (each such mapping adds its page's used bytes to the double count)."""
         table, res = self.mapper.table, reservations
-        if table.num_mappings == table.num_mapped_pages:
-            return 0                        # no page is mapped in two slots, so none is claimed twice
+        if slot.index not in table.shared_positions:
+            return 0                        # no page of the slot is mapped twice, so none is claimed twice
         total = 0
         for u in units:
             if u >= slot.claimed:

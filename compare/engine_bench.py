@@ -24,7 +24,7 @@ from vmkv.compare.shapes import SHAPES
 from vmkv.compare.worker_proc import run_worker_process
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
 
-from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args
+from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args, parse_size
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
 
@@ -66,19 +66,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None,
                    help="default: the workload's longest prompt + output, rounded up to 256")
-    e.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
+    budget = e.add_mutually_exclusive_group()
+    budget.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
+    budget.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
+                        help="the KV budget as a size, e.g. 64GiB (serve's flag; the same as --memory-gib)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     # backend options (choices, help and defaults from the backends' options classes): each backend
     # gets the ones its options have; a value but the default that no listed backend takes is an error
     add_backend_option_args(e, "--page-size", "; given to the backends that have the option")
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="prefix caching off on every backend (serve's --no-enable-prefix-caching)")
     add_graph_args(e)
     add_parallel_args(e)
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result directory (default ./vmkv-results/engine-<UTC time>)")
     o.add_argument("--reference", default=None, help="results.json whose offline run defines 'x' rates")
     o.add_argument("--timeout-s", type=float, default=1800, help="per run")
-    o.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads in the workers")
+    o.add_argument("--torch-threads", "--threads", type=int, default=None,
+                   help="torch CPU threads in the workers (serve's --threads)")
 
 
 def parse_rates(text: str) -> list[str]:
@@ -145,6 +150,8 @@ def _knobs(args, max_model_len: int, backend: str) -> dict:
         knobs["random_weights"] = args.model
     if args.memory_gib is not None:
         knobs["memory_bytes"] = int(args.memory_gib * (1 << 30))
+    elif args.kv_memory is not None:
+        knobs["memory_bytes"] = int(args.kv_memory)
     if args.gpu_memory_utilization is not None:
         knobs["gpu_memory_utilization"] = args.gpu_memory_utilization
     knobs.update({k: v for k, v in backend_knobs(args).items() if backend in option_backends(k)})

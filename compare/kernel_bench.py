@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tune", action="store_true", help="sweep launch configs at batch 64 x 4096 (decode; split-K waves at "
       "4 x 32768) and 8K (prefill) first and use the best in the grid; default: the kernels' own defaults")
     a("--seed", type=int, default=0)
-    a("--device", default="cuda", help="cuda (measurements) or cpu (functional smoke run, TRITON_INTERPRET=1)")
+    a("--device", default="cuda", help="cuda (measurements) or cpu (functional smoke run; needs "
+                                        "TRITON_INTERPRET=1 in the environment)")
     a("--peers", default="flashinfer", help="other libraries' kernels timed on the same paged K/V when they "
       "import (comma-separated; 'none' to skip)")
     a("--flashinfer-backend", default="auto", choices=("auto", "fa2", "fa3"),
@@ -438,6 +440,11 @@ def run(args: argparse.Namespace) -> int:
     if bench.device.type == "cuda" and not torch.cuda.is_available():
         print("vmkv compare kernels: CUDA is not available; use --device cpu for a functional smoke run")
         return 2
+    if bench.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # the kernels are compiled when vmkv.kernels is imported, before the flag could set it
+        print("vmkv compare kernels: --device cpu runs the Triton kernels in Triton's interpreter; "
+              "set it before the command: TRITON_INTERPRET=1 vmkv compare kernels --device cpu ...")
+        return 2
     for ctx in _ints(args.contexts) + _ints(args.prefill_contexts):
         for bs in _ints(args.block_sizes) + [args.flex_page]:
             if ctx % bs:
@@ -496,6 +503,10 @@ def run(args: argparse.Namespace) -> int:
     result["wall_s"] = time.perf_counter() - t_start
     paths = write_outputs(out_dir, result, with_plot=True)
     print(paths["md"].read_text())
+    rows = [r for r in result["decode"] + result["prefill"] if isinstance(r, dict)]
+    if (rows and all("error" in r for r in rows)) or (not rows and result.get("failed_points")):
+        print("vmkv compare kernels: every measurement failed (the errors are in the table and the log)")
+        return 1
     return 0
 
 

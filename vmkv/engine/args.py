@@ -155,7 +155,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="KV memory, e.g. 512MiB: vmem's cap (pages created on demand up to it, idle "
                           "ones released, see --kv-reserve); paged allocates it all up front as a "
                           "static pool (default: 256 MiB on CPU, --gpu-memory-utilization of free "
-                          "memory on CUDA)")
+                          "memory on CUDA; either capped at what max_num_seqs x max_model_len tokens need)")
     mem.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization,
                      help="fraction of free GPU memory for KV (default: %(default)s)")
     add_backend_option_args(g, "--page-size-bytes", "; other backends refuse a value but the default")

@@ -39,6 +39,7 @@ def _one_thread():
 def collide(monkeypatch):
     """Every unit hash is the same value: every lookup hits a bucket of strangers."""
     monkeypatch.setattr(hashing_mod, "hash_unit", lambda *args, **kw: COLLIDING)
+    monkeypatch.setattr(hashing_mod, "hash_unit_bytes", lambda *args, **kw: COLLIDING)
 
 
 # ----------------------------------------------------------------------------- hashing

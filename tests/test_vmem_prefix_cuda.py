@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vmkv import KVCacheFullError, KVCacheSpec, StepSeq
+from vmkv.kvcache import hashing as hashing_mod
 from vmkv.kvcache import prefix as prefix_mod
 
 pytestmark = pytest.mark.gpu
@@ -86,7 +87,9 @@ def test_cuda_cached_pages_survive_unmapped_and_map_back(make):
 
 
 def test_cuda_injected_collision_is_a_miss(make, monkeypatch):
-    monkeypatch.setattr(prefix_mod, "hash_unit", lambda *a: bytes(prefix_mod.HASH_BYTES))
+    # every unit hashes alike (the function unit_keys calls: patching prefix_mod.hash_unit, as this
+    # test once did, reached nothing, so b was a plain miss and no collision was ever verified)
+    monkeypatch.setattr(hashing_mod, "hash_unit_bytes", lambda *a: bytes(prefix_mod.HASH_BYTES))
     c = make(num_units=16, max_num_seqs=4)
     ut = c.unit_tokens
     n = min(MAX_LEN, 2 * ut + 1)
@@ -95,6 +98,7 @@ def test_cuda_injected_collision_is_a_miss(make, monkeypatch):
     _prefill(c, 1, 0, n, seed=5)
     b = [t + 7 for t in a]
     assert c.allocate(2, n, b) == 0
+    assert c.prefix.num_collisions >= 1                   # b's first unit met a's in the one bucket
     data_b = _prefill(c, 2, 0, n, seed=6)
     _holds(c, 2, data_b, n)
     c.check_integrity()

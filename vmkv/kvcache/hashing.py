@@ -8,11 +8,12 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from dataclasses import dataclass
-from typing import Hashable, Sequence
+import sys
+from array import array
+from typing import Hashable, NamedTuple, Sequence
 
 __all__ = ["HASH_BYTES", "ROOT_HASH", "UnitKey", "encode_extra_key", "extra_key_digest", "hash_unit",
-           "unit_keys"]
+           "hash_unit_bytes", "unit_keys"]
 
 #: bytes of a unit hash (sha256)
 HASH_BYTES = 32
@@ -93,17 +94,24 @@ def hash_unit(parent_hash: bytes, token_ids: Sequence[int], extra: bytes) -> byt
         token_ids: the unit's token ids, each in the int64 range.
         extra: ``extra_key_digest(extra_key)`` (computed once per request, not per unit).
     """
+    return hash_unit_bytes(parent_hash, len(token_ids), struct.pack(f"<{len(token_ids)}q", *token_ids), extra)
+
+
+def hash_unit_bytes(parent_hash: bytes, num_tokens: int, packed: bytes | memoryview, extra: bytes) -> bytes:
+    """:func:`hash_unit` of a unit whose ``num_tokens`` token ids are already ``packed`` as
+    little-endian int64 (``unit_keys`` packs a whole prompt once and slices it)."""
     h = hashlib.sha256(parent_hash)
-    h.update(_length(len(token_ids)))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(_length(num_tokens))
+    h.update(packed)
     h.update(extra)
     return h.digest()
 
 
-@dataclass(frozen=True)
-class UnitKey:
+class UnitKey(NamedTuple):
     """What identifies one full unit of a request: its chained hash (the lookup key) and the
-    token ids and extra-key digest (:func:`extra_key_digest`) a hit is verified against."""
+    token ids and extra-key digest (:func:`extra_key_digest`) a hit is verified against.  (A named
+    tuple: immutable, and built once per unit of every prompt, about 4x cheaper than a frozen
+    dataclass.)"""
 
     hash: bytes
     token_ids: tuple[int, ...]
@@ -126,16 +134,26 @@ def unit_keys(token_ids: Sequence[int], unit_tokens: int, extra_key: Hashable = 
     if unit_tokens <= 0:
         raise ValueError(f"unit_tokens must be > 0, got {unit_tokens}")
     extra = extra_key_digest(extra_key)  # once: O(len(extra key)) per call, O(1) per unit
-    tokens = [int(t) for t in token_ids]
-    if tokens and not _INT64[0] <= min(tokens) <= max(tokens) <= _INT64[1]:
-        raise ValueError(f"token ids must be in the int64 range, got {min(tokens)}..{max(tokens)}")
+    try:
+        try:
+            packed = array("q", token_ids)      # int64 each (ints, or anything with __index__)
+        except TypeError:
+            packed = array("q", [int(t) for t in token_ids])
+    except OverflowError:
+        tokens = [int(t) for t in token_ids]
+        raise ValueError(f"token ids must be in the int64 range, got {min(tokens)}..{max(tokens)}") from None
+    tokens = packed.tolist()
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data = memoryview(packed.tobytes())
     n = len(tokens) // unit_tokens
     if max_units is not None:
         n = min(n, max_units)
+    # each unit's bytes sliced from one little-endian buffer instead of packed unit by unit
+    step = 8 * unit_tokens
     keys: list[UnitKey] = []
     parent = ROOT_HASH
     for i in range(n):
-        unit = tuple(tokens[i * unit_tokens:(i + 1) * unit_tokens])
-        parent = hash_unit(parent, unit, extra)
-        keys.append(UnitKey(parent, unit, extra))
+        parent = hash_unit_bytes(parent, unit_tokens, data[i * step:(i + 1) * step], extra)
+        keys.append(UnitKey(parent, tuple(tokens[i * unit_tokens:(i + 1) * unit_tokens]), extra))
     return keys

@@ -182,6 +182,10 @@ def test_fields_that_would_change_the_result_are_refused(server, case):
     err = _error(post_json(server.http, url, body))
     assert err["param"] == param and err["code"] == "invalid_value", err
     assert "not supported" in err["message"] or "only best_of == n" in err["message"], err["message"]
+    # the value sent is named too, dicts and lists included (cut to 80 characters)
+    assert "(got " in err["message"], err["message"]
+    if param == "logit_bias":
+        assert '{"5": 100}' in err["message"], err["message"]
 
 
 # ---------------------------------------------------------------------------- lone surrogates

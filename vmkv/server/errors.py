@@ -132,7 +132,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         got = e.get("input")
         # the value is added here, once: validators' messages name the rule, not the value
-        quiet = isinstance(got, (dict, list)) or got is None and (e.get("type") == "missing" or "null" in msg)
+        # a dict or list is shown too, cut to _MAX_SHOWN_CHARS (a rejected logit_bias or tools value is
+        # the request's own; the message names the field, the value and the rule)
+        quiet = got is None and (e.get("type") == "missing" or "null" in msg)
         shown = "" if quiet else f" (got {_shown(got)})"
         seen[key] = f"{param}: {msg}{shown}" if param else f"{msg}{shown}"
     if first_param is None:  # a whole-model check whose message starts with the field it is about

@@ -27,11 +27,13 @@ class FreeSlotIndex:
         return len(self._order)
 
     def add(self, index: int, kept: int) -> None:
+        """Slot ``index`` became free keeping ``kept`` units (it must not be free already)."""
         assert index not in self._kept, f"slot {index} is already free"
         self._kept[index] = kept
         insort(self._order, (kept, index))
 
     def remove(self, index: int) -> None:
+        """Slot ``index`` is no longer free.  Raises KeyError when it was not free."""
         kept = self._kept.pop(index)
         i = bisect_left(self._order, (kept, index))
         assert self._order[i] == (kept, index), f"slot {index} missing from the free order"

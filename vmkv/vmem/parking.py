@@ -42,6 +42,7 @@ class ParkingMixin:
         self.num_parks = self.num_adoptions = 0
 
     def is_parked(self, slot: Slot) -> bool:
+        """Is free ``slot`` parked (its claims still on its pages)?"""
         return slot.index in self._parked
 
     def _park(self, slot: Slot) -> bool:

@@ -135,9 +135,14 @@ def unit_keys(token_ids: Sequence[int], unit_tokens: int, extra_key: Hashable = 
         raise ValueError(f"unit_tokens must be > 0, got {unit_tokens}")
     extra = extra_key_digest(extra_key)  # once: O(len(extra key)) per call, O(1) per unit
     try:
-        try:
-            packed = array("q", token_ids)      # int64 each (ints, or anything with __index__)
-        except TypeError:
+        if isinstance(token_ids, (list, tuple)):
+            try:
+                packed = array("q", token_ids)  # int64 each (ints, or anything with __index__)
+            except TypeError:
+                packed = array("q", [int(t) for t in token_ids])
+        else:
+            # anything else (a numpy array, bytes, a range ...) one id per item: array() would take
+            # bytes / bytearray as raw int64 buffers, and a failed pass would consume an iterator
             packed = array("q", [int(t) for t in token_ids])
     except OverflowError:
         tokens = [int(t) for t in token_ids]

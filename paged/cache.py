@@ -168,7 +168,16 @@ class PagedKVCache(KVCacheCore):
 
     # ------------------------------------------------------------------ data hooks
     def _write_rows(self, s: SeqState, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write()``'s rows.  A block it overwrites that holds a prefix-cache unit loses the entry
+        (and its descendants'), as vmem's ``make_writable`` drops those of the pages it overwrites:
+        its bytes change, so a later hit on the old tokens must miss, never read the new bytes (shared
+        blocks were copied first, and the copy has no entry).  The unit is registered again once
+        every layer of it is written (``SeqState.mark``)."""
         bs = self.block_size
+        if len(self.prefix):
+            for i in self._units_overlapping(start, start + k.shape[0]):
+                if self.pool.is_cached(s.units[i]):
+                    self._forget_unit(s, i)
         pos = torch.arange(start, start + k.shape[0])
         table = torch.tensor(s.units, dtype=torch.int64)
         slots = (table[pos // bs] * bs + pos % bs).to(self.spec.torch_device)

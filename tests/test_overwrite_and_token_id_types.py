@@ -1,8 +1,8 @@
 """Break-test findings: ``unit_keys`` must read bytes / bytearray token ids one id per item (and an
 iterator in one pass), as it did before it packed them with ``array('q')``, which takes a bytes
-initializer as raw int64 values; and vmem's ``write()`` over a page holding a prefix-cache unit drops
-its entry, so a later hit never reads the new bytes as the cached prompt's K/V (the paged backend
-keeps the entry: ``test_paged_cache.py`` fills registered blocks by ``write()`` after ``prepare()``)."""
+initializer as raw int64 values; and ``write()`` over a unit that holds a prefix-cache entry drops the
+entry on both backends, so a later hit never reads the new bytes as the cached prompt's K/V (paged kept
+it and served the overwritten bytes as the cached prompt's)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vmkv.kvcache import create_kv_cache
 from vmkv.kvcache.hashing import hash_unit, unit_keys, ROOT_HASH, extra_key_digest
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
-BACKENDS = [("vmem", dict(driver="host", page_size_bytes=8192))]
+BACKENDS = [("vmem", dict(driver="host", page_size_bytes=8192)), ("paged", dict(block_size=8))]
 
 
 @pytest.mark.parametrize("backend,kw", BACKENDS, ids=[b for b, _ in BACKENDS])

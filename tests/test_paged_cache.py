@@ -247,8 +247,7 @@ def test_prefix_cache_hits_counts_and_data():
     assert cache.allocate(2, 10, prompt) == 0
     assert cache.block_table(2) == [3, 4, 5]
     cache.free(2)
-    cache.prepare([StepSeq(1, 0, 10)])                   # marks 0..9 written, registers blocks 0, 1
-    data = write_all_layers(cache, 1, 0, 10, gen)
+    data = write_all_layers(cache, 1, 0, 10, gen)         # every layer of 0..9: registers blocks 0, 1
     assert cache.allocate(3, 10, prompt) == 8
     assert cache.block_table(3)[:2] == [0, 1]
     assert cache.pool.refcount(0) == 2 and cache.pool.refcount(1) == 2

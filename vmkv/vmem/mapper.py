@@ -155,8 +155,9 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         return slot.index not in self.table.shared_positions and not len(self.prefix)
 
     def mapped_below(self, slot: Slot, num_units: int) -> int:
-        """Pages mapped in units ``[0, num_units)`` of ``slot``: O(1) when none of its units lies at
-        or above ``num_units`` (the common warm admission), else a walk of its units."""
+        """Pages mapped in units ``[0, num_units)`` of ``slot``: a counter when none of its units lies
+        at or above ``num_units`` (the common warm admission; checked with one C-level ``max`` over
+        its unit keys), else a walk of its units."""
         units = slot.units
         if not units or max(units) < num_units:
             return slot.num_mapped

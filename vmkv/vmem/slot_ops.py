@@ -117,7 +117,7 @@ class SlotOpsMixin:
         assert slot.is_free, f"slot {slot.index} is live"
         self._set_occupant(slot, seq_id)
         self.adopt(slot, num_units)         # a parked slot's claims become this sequence's
-        # no hit, no page shared or cached anywhere: every kept page stays, nothing moves out
+        # no hit, no page of the slot shared, none cached: every kept page stays, nothing moves out
         fast = not hits and self.unshared(slot)
         if not fast:
             get, entries = slot.units.get, self.table.entries

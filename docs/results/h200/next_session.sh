@@ -24,7 +24,9 @@ set -u
 export PYTHONUNBUFFERED=1
 ln -sfn ../paged vmkv/paged; ln -sfn ../kernels vmkv/kernels; ln -sfn ../compare vmkv/compare
 export PYTHONPATH=$PWD VMKV_GIT_COMMIT=$(cat COMMIT)
-PART=${PART:-1}; O=${OUT:-/tmp/out}/part$PART; mkdir -p $O; T0=$(date +%s)
+# results gather in /tmp/res/partN and come back as one tarball (the device returns at most 8 files,
+# 2 folders down) plus progress.txt
+PART=${PART:-1}; O=/tmp/res/part$PART; mkdir -p $O ${OUT:-/tmp/out}; T0=$(date +%s)
 say() { echo "$* at $(( $(date +%s) - T0 )) s" | tee -a $O/progress.txt; }
 E="python3 -m vmkv.cli compare engine --model llama3-8b --dtype bf16 --num-requests 256 --input-len 512..2048 --request-rate inf --max-num-seqs 256 --max-num-batched-tokens 8192 --memory-gib 64 --seed 0"
 engine() {   # $1: name, $2: timeout (s), rest: flags
@@ -68,3 +70,4 @@ case $PART in
   ;;
 esac
 say "done"
+tar czf ${OUT:-/tmp/out}/part$PART.tgz -C /tmp/res part$PART; cp $O/progress.txt ${OUT:-/tmp/out}/progress_part$PART.txt

@@ -169,7 +169,7 @@ def test_a_step_launch_never_waits_for_the_device(name):
     would make the host wait for the step running ahead and undo async scheduling's overlap."""
     backend, opts = BACKENDS[name]
     cfg = EngineConfig.from_args(None, backend, "cuda", "float32", random_weights="smollm2-135m",
-                                 max_num_seqs=8, max_model_len=max_model_len, max_num_batched_tokens=512,
+                                 max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512,
                                  seed=5, async_scheduling=True, **opts)
     engine = LLMEngine(cfg)
     runner, launches = engine.runner, []

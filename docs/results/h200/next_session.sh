@@ -58,6 +58,12 @@ case $PART in
   (cd /tmp/pp/tree && OUT=$O DEADLINE_S=150 BENCH_S=170 timeout 560 bash docs/results/h200/issue12/alloc_peers/run4.sh) > $O/run5.log 2>&1
   say "alloc_peers rc=$?"; tail -12 $O/run5.log
   ;;
+5)  # the rest of PART=2's shrink alternation (off1 on1 off2 there): on2 off3 on3
+  for N in on2 off3 on3; do
+    A=""; case $N in off*) A="--kv-shrink-grace-s inf" ;; esac
+    engine shrink_$N 105 --backends vmem --output-len 128..512 --timeout-s 90 --async-scheduling --warmup-fill-budget $A
+  done
+  ;;
 4)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD

@@ -113,7 +113,8 @@ class InputProcessor:
                 (decided from its length before tokenizing, see :meth:`check_text_len`).
         """
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+            # one message for both APIs (offline: {"prompt_token_ids": [...]}, HTTP: "prompt": [...])
+            raise ValueError("this model has no tokenizer; send the prompt as a list of token ids")
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
         check_unicode(prompt, "prompt")

@@ -372,15 +372,8 @@ class OpenAIServing:
         yield SSE_DONE
 
 
-_NO_ATTR = object()
-
-
 def _encode(engine: Any, prompt: str) -> list[int]:
     """Token ids of a completion prompt, the way the engine would tokenize it (engine thread only)."""
-    if getattr(engine, "tokenizer", _NO_ATTR) is None:   # before the engine's own message, which names
-        # prompt_token_ids (the offline API's field), not this API's token-id form of prompt
-        raise OpenAIError(400, "this model has no tokenizer; send prompt as a list of token ids",
-                          param="prompt", code="invalid_value")
     encode = getattr(engine, "encode", None) or getattr(engine, "tokenize", None)
     if callable(encode):
         return list(encode(prompt))

@@ -264,14 +264,17 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
     def _set_claimed(self, slot: Slot, claimed: int) -> None:
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
         old = slot.claimed
-        step, units = (1, range(old, claimed)) if claimed > old else (-1, range(claimed, old))
-        get = slot.units.get
-        if len(units) == 1:             # a decode step's page boundary
-            pages = [p for p in get(units[0], ()) if p is not None]
-        else:
-            pages = [p for p in chain.from_iterable(map(get, units, repeat(()))) if p is not None]
-        self.table.claim_pages(pages, step, self._tick)
+        step, (start, end) = (1, (old, claimed)) if claimed > old else (-1, (claimed, old))
+        self.table.claim_pages(self._pages_of(slot, start, end), step, self._tick)
         slot.claimed = claimed
+
+    @staticmethod
+    def _pages_of(slot: Slot, start: int, end: int) -> list[int]:
+        """The pages mapped in units ``[start, end)`` of ``slot``."""
+        get = slot.units.get
+        if end - start == 1:            # a decode step's page boundary
+            return [p for p in get(start, ()) if p is not None]
+        return [p for p in chain.from_iterable(map(get, range(start, end), repeat(()))) if p is not None]
 
     def _wait_slot(self, slot: Slot) -> None:
         """Wait for the fence of ``slot`` (recorded at free time) before unmapping its kept pages."""

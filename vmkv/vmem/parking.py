@@ -23,7 +23,6 @@ parked: forks and prefix hits map pages of live sequences, and only a live seque
 
 from __future__ import annotations
 
-from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,19 +65,14 @@ class ParkingMixin:
         self.num_parked_pages -= slot.claimed * self.num_res
         self.num_adoptions += 1
         if slot.claimed > num_units:
-            self.table.claim_pages(self._claimed_pages(slot, num_units, slot.claimed), -1, slot.free_tick)
+            self.table.claim_pages(self._pages_of(slot, num_units, slot.claimed), -1, slot.free_tick)
             slot.claimed = num_units
-
-    @staticmethod
-    def _claimed_pages(slot: Slot, start: int, end: int) -> list[int]:
-        return [p for p in chain.from_iterable(map(slot.units.get, range(start, end), repeat(())))
-                if p is not None]
 
     def unpark(self, slot: Slot) -> None:
         """Release a parked slot's claims as :meth:`vacate` would have, with its tick."""
         self._parked.remove(slot.index)
         self.num_parked_pages -= slot.claimed * self.num_res
-        self.table.claim_pages(self._claimed_pages(slot, 0, slot.claimed), -1, slot.free_tick)
+        self.table.claim_pages(self._pages_of(slot, 0, slot.claimed), -1, slot.free_tick)
         slot.claimed = 0
 
     def unpark_all(self) -> None:

@@ -16,11 +16,15 @@ section 5 "CUDA virtual memory APIs"):
 * :class:`HostDriver` (``host_driver.py``): the same mechanism on Linux through libc: a ``PROT_NONE`` reservation, a
   ``memfd`` file as the physical pool and ``mmap(MAP_SHARED|MAP_FIXED)`` of file pages into it.
 
-Access is a separate step on CUDA: a page mapped by cuMemMap is inaccessible until cuMemSetAccess, and
-one cuMemSetAccess over a contiguous run of mapped pages costs about as much as one over a single
-page (H200: ~30 us for 1 page, ~48 us for 256), so callers that map several adjacent pages pass
-``set_access=False`` and call :meth:`VMMDriver.set_access` once per run.  The host driver mirrors
-this: such a page is mapped ``PROT_NONE`` until ``set_access`` (``mprotect``) makes it read/write.
+Access is a separate step on CUDA: a page mapped by cuMemMap is inaccessible until cuMemSetAccess.
+Callers that map several adjacent pages pass ``set_access=False`` and call :meth:`VMMDriver.set_access`
+once per run, which saves the per-call overhead only: cuMemSetAccess costs about the same per
+*allocation* it covers, one page or a run of them (H200, driver 580: 26 us for one 2 MiB page, 3.1 ms
+for a run of 128 separately created pages, 33 us for one 128 MiB allocation;
+``python -m vmkv.compare.vmm_calls``, ``docs/results/h200/issue12/vmm_calls_71a21e3/``).  It is the
+largest part of mapping a page (cuMemCreate 11 us, cuMemMap 3 us, cuMemUnmap 18 us, cuMemRelease 13 us
+there).  The host driver mirrors the two steps: such a page is mapped ``PROT_NONE`` until
+``set_access`` (``mprotect``) makes it read/write.
 
 The drivers are thin: they keep the reservations (for tensors and teardown) and the guard pages,
 no mapping table and no reference counts (the cache's page table, ``page_table.py``, is the one

@@ -53,7 +53,8 @@ KERNEL_THIRD_PARTY = {"torch", "triton", "numpy"}
 BACKEND_PACKAGES = ("vmkv.paged", "vmkv.vmem")
 #: modules allowed to name a backend package in a string
 BACKEND_NAMERS = ("vmkv.kvcache.registry",)
-CUDA_BINDINGS_USERS = ("vmkv.vmem.cuda_driver",)
+#: the CUDA driver, and the driver-level benchmark (it times compound allocations the driver never makes)
+CUDA_BINDINGS_USERS = ("vmkv.vmem.cuda_driver", "vmkv.vmem.driver_bench")
 
 
 @dataclass(frozen=True)

@@ -296,3 +296,20 @@ def test_thin_driver_keeps_no_mapping_table():
     with pytest.raises(VMMError, match="nothing is mapped"):
         checked.unmap(va)
     checked.close()
+
+
+def test_driver_bench_counts_every_call_on_the_host_driver(tmp_path):
+    """``python -m vmkv.vmem.driver_bench`` (the per-call cost behind the docs' driver figures) runs on
+    the host driver and records one sample per call it makes."""
+    import json
+
+    from vmkv.vmem import driver_bench
+
+    assert driver_bench.main(["--out", str(tmp_path), "--device", "cpu", "--num-pages", "4", "--reps", "2",
+                              "--page-size-mib", "2"]) == 0
+    got = json.loads((tmp_path / "driver_calls.json").read_text())
+    counts = {k: v["n"] for k, v in got["driver"].items()}
+    assert counts == {"create": 8, "map": 16, "set_access_1": 8, "map_with_access": 8, "set_access_run": 2,
+                      "unmap": 16, "release": 8}
+    assert all(v["p50_us"] > 0 for v in got["driver"].values())
+    assert got["page_size_bytes"] == 2 << 20 and "cuda" not in got

@@ -21,7 +21,7 @@ Callers that map several adjacent pages pass ``set_access=False`` and call :meth
 once per run, which saves the per-call overhead only: cuMemSetAccess costs about the same per
 *allocation* it covers, one page or a run of them (H200, driver 580: 26 us for one 2 MiB page, 3.1 ms
 for a run of 128 separately created pages, 33 us for one 128 MiB allocation;
-``python -m vmkv.compare.vmm_calls``, ``docs/results/h200/issue12/vmm_calls_71a21e3/``).  It is the
+``python -m vmkv.vmem.driver_bench``, ``docs/results/h200/issue12/driver_calls_71a21e3/``).  It is the
 largest part of mapping a page (cuMemCreate 11 us, cuMemMap 3 us, cuMemUnmap 18 us, cuMemRelease 13 us
 there).  The host driver mirrors the two steps: such a page is mapped ``PROT_NONE`` until
 ``set_access`` (``mprotect``) makes it read/write.

@@ -1,7 +1,9 @@
 """Cost of each virtual-memory driver call vmem makes, one call at a time (the floor under vmem's
-allocation latencies in ``vmkv.compare.alloc_peers``).
+allocation latencies in ``vmkv.compare.alloc_peers``).  A driver-level benchmark, so it lives beside the
+drivers (the compare layer reaches backends only through the registry); like every benchmark it times,
+it asserts nothing.
 
-    python3 -m vmkv.compare.vmm_calls --out DIR [--device cuda|cpu] [--num-pages 128] [--reps 3]
+    python3 -m vmkv.vmem.driver_bench --out DIR [--device cuda|cpu] [--num-pages 128] [--reps 3] [--page-size-mib N]
 
 Through vmem's own driver (:func:`vmkv.vmem.driver.get_driver`, so cuda-python's per-call overhead and
 the context check of every call are counted, as vmem pays them), on one reservation of ``--num-pages``
@@ -25,15 +27,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from vmkv.compare import report
 
 __all__ = ["measure_driver", "measure_compound", "main"]
+
+
+def _environment() -> dict:
+    import platform
+
+    import torch
+
+    return {"command": " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in
+                                                       range(torch.cuda.device_count())],
+            "git_commit": os.environ.get("VMKV_GIT_COMMIT"), "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _stats(us: list[float]) -> dict:
@@ -188,24 +202,23 @@ def measure_compound(device_index: int, page: int, num_pages: int, sizes: list[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m vmkv.compare.vmm_calls", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m vmkv.vmem.driver_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--num-pages", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--page-size", default=None, help="vmem page size (default: the driver's)")
+    p.add_argument("--page-size-mib", type=int, default=None, help="page size in MiB (default: the driver's)")
     p.add_argument("--compound-sizes", default="1,2,4,16,64", help="pages per allocation (CUDA)")
     a = p.parse_args(argv)
     import torch
 
-    from vmkv.engine.args import parse_size
     from vmkv.vmem.driver import get_driver
 
     drv = get_driver("cuda" if a.device == "cuda" else "host", a.device,
-                     parse_size(a.page_size) if a.page_size else None)
-    payload = {"kind": "vmm_calls", "device": a.device, "page_size_bytes": drv.page_size_bytes,
+                     a.page_size_mib << 20 if a.page_size_mib else None)
+    payload = {"kind": "driver_calls", "device": a.device, "page_size_bytes": drv.page_size_bytes,
                "num_pages": a.num_pages, "reps": a.reps,
-               "environment": report.environment() if hasattr(report, "environment") else {}}
+               "environment": _environment()}
     payload["driver"] = measure_driver(drv, a.num_pages, a.reps)
     if a.device == "cuda":
         index = torch.cuda.current_device()
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                                            [int(x) for x in a.compound_sizes.split(",")], a.reps)
     drv.close()
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "vmm_calls.json").write_text(json.dumps(payload, indent=1))
+    (a.out / "driver_calls.json").write_text(json.dumps(payload, indent=1))
     lines = [f"| call | p50 us | p99 us | n |", "|---|---|---|---|"]
     for k, v in payload["driver"].items():
         lines.append(f"| {k} | {v['p50_us']:.1f} | {v['p99_us']:.1f} | {v['n']} |")
@@ -223,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| {name} {k} (per page) | {v['p50_us']:.2f} | {v['p99_us']:.2f} | {v['n']} |")
     text = "\n".join(lines) + "\n\n" + json.dumps({k: v for k, v in payload.get("cuda", {}).items()
                                                  if not k.startswith("compound_")}, indent=1) + "\n"
-    (a.out / "vmm_calls.md").write_text(text)
+    (a.out / "driver_calls.md").write_text(text)
     print(text)
     return 0
 

@@ -15,6 +15,16 @@ from dataclasses import dataclass, field
 from vmkv.compare.shapes import get_shape
 
 
+#: sequence ids of the admissions after the trace: warm ones from WARM_FIRST_ID, cold ones from
+#: COLD_FIRST_ID (the trace's own ids are below both)
+WARM_FIRST_ID, COLD_FIRST_ID = 10_000, 20_000
+
+
+def admission_phase(seq_id: int) -> str:
+    """"trace", "warm" or "cold": which part of the benchmark admits ``seq_id``."""
+    return "trace" if seq_id < WARM_FIRST_ID else ("warm" if seq_id < COLD_FIRST_ID else "cold")
+
+
 class PeerUnavailableError(RuntimeError):
     """A peer allocator is not installed or cannot run here (the run records it as skipped)."""
 
@@ -67,6 +77,11 @@ class AllocatorAdapter(abc.ABC):
     def touch(self, seq_id: int, pos: int) -> bool:
         """Write seeded values at position ``pos`` of ``seq_id`` in the first and last layer and read them
         back through the allocator's tensors: True when they match (the memory is really mapped)."""
+
+    def before_admit(self, seq_id: int, num_tokens: int) -> None:
+        """What the allocator's engine does for an admission it expects, before making it, while the
+        previous step's forward runs (vmem-prefetch: ``prefetch_admission``); not timed with the
+        admission: an adapter that does work here reports its time in :meth:`info`."""
 
     def between_steps(self) -> None:
         """What the allocator's engine does between decode steps (vmem: ``release_idle``)."""

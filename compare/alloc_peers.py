@@ -21,7 +21,9 @@ per-layer: a page in each of 64 K/V tensors; kvcached: its compound page) into u
 walks every request slot, so calling it once per sequence change (needed to time one sequence's page
 boundary) inflates its *grow total*; the time in page-boundary calls (*map total*) is the trace-level figure
 to compare.  ``vmem-prealloc`` creates every page up front as vAttention does (``preallocate=True``);
-``vmem-prefetch`` also makes the engine's ``prefetch`` call between steps (its total: "+ N prefetch").
+``vmem-prefetch`` also makes the engine's ``prefetch`` call between steps (its total: "+ N prefetch") and
+its ``prefetch_admission`` call before each admission (as the engine makes it while the previous step's
+forward runs; timed apart, its p50 shown beside the admission's: "+ N prefetch").
 
 Memory: ``torch.cuda.mem_get_info`` used bytes less those before the allocator was built (``device``) and
 the allocator's own count (``held``: vmem ``usage().created_bytes``; vAttention its page pool, created up
@@ -48,19 +50,21 @@ import numpy as np
 
 from vmkv.compare import report
 from vmkv.compare.alloc_adapters import (ALLOCATORS, DEFAULT_ALLOCATORS, AllocatorAdapter, AllocatorEntry,
-                                         BenchConfig, Counters, PeerUnavailableError, missing_reason)
+                                         BenchConfig, COLD_FIRST_ID, Counters, PeerUnavailableError, WARM_FIRST_ID,
+                                         missing_reason)
 from vmkv.compare.alloc_kvcached import KvcachedAdapter
 from vmkv.compare.alloc_trace import ADMIT, FREE, GROW, TraceConfig, make_trace, trace_digest
 from vmkv.compare.alloc_vattention import VAttentionAdapter
-from vmkv.compare.alloc_vmem import VMemAdapter, prefetch_note
+from vmkv.compare.alloc_vmem import VMemAdapter, admit_prefetch_note, prefetch_note
 from vmkv.compare.shapes import SHAPES
 from vmkv.engine.args import parse_size
 
 # the trace and adapter names stay importable from here (tests, scripts)
-__all__ = ["ADMIT", "ALLOCATORS", "DEFAULT_ALLOCATORS", "FREE", "GROW", "MIB2", "AllocatorAdapter",
-           "AllocatorEntry", "BenchConfig", "Counters", "KvcachedAdapter", "PeerUnavailableError",
-           "TraceConfig", "VAttentionAdapter", "VMemAdapter", "columns", "main", "make_trace", "missing_reason",
-           "rows", "run_all", "run_allocator", "run_in_subprocess", "trace_digest", "write_report"]
+__all__ = ["ADMIT", "ALLOCATORS", "COLD_FIRST_ID", "DEFAULT_ALLOCATORS", "FREE", "GROW", "MIB2", "WARM_FIRST_ID",
+           "AllocatorAdapter", "AllocatorEntry", "BenchConfig", "Counters", "KvcachedAdapter",
+           "PeerUnavailableError", "TraceConfig", "VAttentionAdapter", "VMemAdapter", "columns", "main",
+           "make_trace", "missing_reason", "rows", "run_all", "run_allocator", "run_in_subprocess", "trace_digest",
+           "write_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +124,7 @@ def _admissions(a: AllocatorAdapter, cfg: TraceConfig, cold: bool, first_id: int
     for rep in range(cfg.admit_reps):
         if cold:
             a.drop()
+        a.before_admit(first_id + rep, cfg.admit_len)
         before = a.counters().in_use_bytes
         t0 = time.perf_counter_ns()
         a.admit(first_id + rep, cfg.admit_len)
@@ -150,6 +155,8 @@ def run_allocator(name: str, bench: BenchConfig, cfg: TraceConfig) -> dict:
         prev = a.counters()
         for step in steps:
             for op, seq, n in step:
+                if op == ADMIT:
+                    a.before_admit(seq, n)
                 t0 = time.perf_counter_ns()
                 if op == GROW:
                     a.grow(seq, n)
@@ -183,10 +190,10 @@ def run_allocator(name: str, bench: BenchConfig, cfg: TraceConfig) -> dict:
         time.sleep(bench.idle_s)
         a.idle()
         mem["after_idle"] = _snapshot(a, dev)
-        warm_us, warm_bytes, ok_w = _admissions(a, cfg, cold=False, first_id=10_000)
+        warm_us, warm_bytes, ok_w = _admissions(a, cfg, cold=False, first_id=WARM_FIRST_ID)
         a.drop()
         mem["after_drop"] = _snapshot(a, dev)
-        cold_us, cold_bytes, ok_c = _admissions(a, cfg, cold=True, first_id=20_000)
+        cold_us, cold_bytes, ok_c = _admissions(a, cfg, cold=True, first_id=COLD_FIRST_ID)
         per_2mib = [t / (b / MIB2) for t, b in zip(boundary_us, boundary_bytes)]
         out.update({
             "grow": {**_summary(grow_us), "num_boundary_calls": len(boundary_us),
@@ -303,8 +310,9 @@ def rows(results: list[dict]) -> list[list[str]]:
                     _pair(g["per_2MiB"], "p50_us", "p99_us", digits=2),
                     f"{report.fmt_num(g['boundary']['total_ms'], 1)} / {report.fmt_num(g['total_ms'], 1)}"
                     f"{prefetch_note(r)}",
-                    report.fmt_num(r["admit_warm"]["p50_us"] / 1e3, 3),
-                    _pair(r["admit_cold"], "p50_us", "max_us", 1e3, 3), report.fmt_bytes(m["peak"]["held_bytes"]),
+                    report.fmt_num(r["admit_warm"]["p50_us"] / 1e3, 3) + admit_prefetch_note(r, "warm"),
+                    _pair(r["admit_cold"], "p50_us", "max_us", 1e3, 3) + admit_prefetch_note(r, "cold"),
+                    report.fmt_bytes(m["peak"]["held_bytes"]),
                     _mem(m["after_burst"]), _mem(m["after_idle"]), _mem(m["after_drop"])])
     return out
 

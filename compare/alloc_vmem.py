@@ -16,10 +16,10 @@ import time
 import numpy as np
 
 from vmkv.compare import report
-from vmkv.compare.alloc_adapters import AllocatorAdapter, BenchConfig, Counters, rand_rows
+from vmkv.compare.alloc_adapters import AllocatorAdapter, BenchConfig, Counters, admission_phase, rand_rows
 from vmkv.engine.config import DEFAULT_CUDA_PREFETCH_TOKENS
 
-__all__ = ["VMemAdapter", "prefetch_note", "DEFAULT_CUDA_PREFETCH_TOKENS"]
+__all__ = ["VMemAdapter", "admit_prefetch_note", "prefetch_note", "DEFAULT_CUDA_PREFETCH_TOKENS"]
 
 
 def prefetch_note(result: dict) -> str:
@@ -29,12 +29,27 @@ def prefetch_note(result: dict) -> str:
     return f" + {report.fmt_num(pf['total_ms'], 1)} prefetch" if pf and pf["num_calls"] else ""
 
 
+def admit_prefetch_note(result: dict, phase: str) -> str:
+    """`` + N prefetch`` (p50 ms of the ``prefetch_admission`` calls before the ``phase`` admissions,
+    "warm" or "cold") for a result whose adapter made them, else ``""``."""
+    pf = ((result.get("info") or {}).get("admit_prefetch") or {}).get(phase)
+    return f" + {report.fmt_num(pf['p50_us'] / 1e3, 3)} prefetch" if pf and pf["num_calls"] else ""
+
+
+def _summary_us(us: list[float]) -> dict:
+    a = np.asarray(us, dtype=np.float64)
+    return {"num_calls": int(a.size), "total_ms": float(a.sum()) / 1e3,
+            "p50_us": float(np.percentile(a, 50)) if a.size else None,
+            "p99_us": float(np.percentile(a, 99)) if a.size else None}
+
+
 class VMemAdapter(AllocatorAdapter):
     """vmem through the public interface (``create_kv_cache("vmem", ...)``), default options but the layout.
 
     Args:
         prefetch_tokens: > 0: between steps, ``prefetch`` this many positions past every live sequence's
-            length before ``release_idle`` (the engine's order), timed apart.
+            length before ``release_idle`` (the engine's order), and before every admission
+            ``prefetch_admission`` of its prompt length, both timed apart.
     """
 
     def __init__(self, cfg: BenchConfig, layout: str, preallocate: bool = False,
@@ -45,6 +60,8 @@ class VMemAdapter(AllocatorAdapter):
                  + (f", prefetch {prefetch_tokens}" if prefetch_tokens else ""))
         self.name, self.spec = f"vmem ({layout}{extra})", cfg.spec()
         self.prefetch_tokens, self.prefetch_us = prefetch_tokens, []
+        self.admit_prefetch_us: dict[str, list[float]] = {"trace": [], "warm": [], "cold": []}
+        self._phase = "trace"
         options = {"layout": layout, "preallocate": preallocate}
         if not self.spec.is_cuda:
             options["driver"] = "host"
@@ -63,6 +80,13 @@ class VMemAdapter(AllocatorAdapter):
     def admit(self, seq_id, num_tokens):
         self.cache.allocate(seq_id, num_tokens)
         self.lens[seq_id] = num_tokens
+
+    def before_admit(self, seq_id, num_tokens):
+        if self.prefetch_tokens:         # the engine maps an expected admission while the forward runs
+            phase = admission_phase(seq_id)
+            t0 = time.perf_counter_ns()
+            self.cache.prefetch_admission([num_tokens])
+            self.admit_prefetch_us[phase].append((time.perf_counter_ns() - t0) / 1e3)
 
     def grow(self, seq_id, new_len):
         self.cache.extend(seq_id, new_len - self.lens[seq_id])
@@ -122,7 +146,8 @@ class VMemAdapter(AllocatorAdapter):
                     "total_ms": float(us.sum()) / 1e3,
                     "p50_us": float(np.percentile(us, 50)) if us.size else None,
                     "p99_us": float(np.percentile(us, 99)) if us.size else None}
-        return {"kv_shrink_grace_s": self.grace_s, **{k: s.get(k) for k in keys}, "prefetch": prefetch}
+        return {"kv_shrink_grace_s": self.grace_s, **{k: s.get(k) for k in keys}, "prefetch": prefetch,
+                "admit_prefetch": {k: _summary_us(v) for k, v in self.admit_prefetch_us.items()}}
 
     def close(self):
         self.cache.close()

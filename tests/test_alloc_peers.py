@@ -363,3 +363,34 @@ def test_cli_runs_each_allocator_in_its_own_process(tmp_path):
     assert payload["environment"]["command"].startswith("python3 -m vmkv.compare.alloc_peers --out")
     md = (out / "alloc_peers.md").read_text()
     assert "| vmem | " in md and "- vattention: skipped" in md
+
+
+def test_vmem_prefetch_prefetches_each_admission_as_the_engine_does_and_reports_it_apart():
+    """vmem-prefetch makes the engine's ``prefetch_admission`` before every admission (trace, warm,
+    cold), timed apart: the admission itself then maps nothing, even right after ``drop``."""
+    from vmkv.compare.alloc_vmem import VMemAdapter
+
+    r = ap.run_allocator("vmem-prefetch", bench(), CFG)
+    assert r["status"] == "ok" and r["touch_ok"]
+    apf = r["info"]["admit_prefetch"]
+    assert (apf["trace"]["num_calls"], apf["warm"]["num_calls"], apf["cold"]["num_calls"]) == \
+        (CFG.num_seqs, CFG.admit_reps, CFG.admit_reps)
+    row = ap.rows([r])[0]
+    assert row[5].endswith(" prefetch") and row[6].endswith(" prefetch")
+    plain = ap.run_allocator("vmem", bench(), CFG)
+    assert plain["info"]["admit_prefetch"]["cold"]["num_calls"] == 0 and "prefetch" not in ap.rows([plain])[0][6]
+
+    a = VMemAdapter(bench(), "megacache", prefetch_tokens=16)
+    try:
+        a.admit(1, 40)
+        a.free(1)
+        a.drop()
+        a.before_admit(ap.COLD_FIRST_ID, CFG.admit_len)
+        before = a.counters()
+        a.admit(ap.COLD_FIRST_ID, CFG.admit_len)
+        after = a.counters()
+        assert after.mapped_bytes == before.mapped_bytes and after.held_bytes == before.held_bytes
+        assert after.in_use_bytes > before.in_use_bytes
+        assert a.touch(ap.COLD_FIRST_ID, CFG.admit_len - 1)
+    finally:
+        a.close()

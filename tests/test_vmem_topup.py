@@ -87,6 +87,33 @@ def test_grows_and_admissions_after_a_top_up_create_no_page(monkeypatch):
         cache.close()
 
 
+def test_kept_pages_of_freed_slots_do_not_hold_the_top_up_back(monkeypatch):
+    """Regression (issue 12, allocator peers run 4: the top-up covered 1,579 of 4,506 grows): pages
+    kept by freed slots are idle but serve only a warm admission into their own slot, so the reserve
+    is counted in plain free pages; grows of the other sequences right after frees create nothing."""
+    cache = make_cache(grace_s=5.0, reserve=4 * PAGE)
+    try:
+        for s in range(4):
+            fill(cache, s, 1024, float(s))                   # 4 pages each
+        cache.release_idle(now=0.0)
+        cache.free(0)
+        cache.free(1)                                        # 8 kept pages: idle > the reserve
+        cache.release_idle(now=1.0)
+        assert cache.mapper.pool.num_free == 4 and cache.mapper.num_idle_pages() == 12
+        calls = _count_creations(cache, monkeypatch)
+        cache.extend(2, 512)                                 # 2 page boundaries each
+        cache.extend(3, 512)
+        assert calls["n"] == 0
+        for s in (2, 3):
+            assert_filled_prefix(cache, s, 1024, float(s))
+        cache.release_idle(now=7.0)                          # after the grace: the kept pages go,
+        assert cache.mapper.pool.num_free == 4               # the plain free reserve stays
+        assert cache.mapper.num_idle_pages() == 4 and calls["n"] == 4
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
 def test_top_up_never_exceeds_the_cap():
     cache = make_cache(grace_s=5.0, reserve=16 * PAGE, memory_bytes=6 * PAGE)
     try:
@@ -186,16 +213,16 @@ def test_prefetch_tops_the_reserve_up_after_mapping_ahead():
         fill(cache, 1, 200, 1.0)                             # 1 page (256 tokens of SPEC)
         m = cache.mapper
         cache.prefetch([1], 1000)                            # maps units 1..4 of seq 1, unclaimed:
-        assert m.num_prefetched_pages == 4                   # idle pages; then 2 more are created
-        assert _state(cache) == (7, 6, 2, 1)
+        assert m.num_prefetched_pages == 4                   # idle, but not plain free: the reserve
+        assert _state(cache) == (11, 10, 6, 1)               # is then made of 6 plain free pages
         fill(cache, 2, 200, 2.0)                             # takes a plain free page
-        assert _state(cache) == (7, 5, 1, 2)
+        assert _state(cache) == (11, 9, 5, 2)
         cache.prefetch([2], 16)                              # nothing to map ahead; tops up to 6
-        assert _state(cache) == (8, 6, 2, 2)
+        assert _state(cache) == (12, 10, 6, 2)
         cache.extend(1, 1000)                                # claims the 4 prefetched pages
-        assert _state(cache) == (8, 2, 2, 6)
-        cache.prefetch_admission([300])                      # 2 pages for the next admission
-        assert _state(cache) == (12, 6, 4, 6)
+        assert _state(cache) == (12, 6, 6, 6)
+        cache.prefetch_admission([300])                      # 2 plain free pages mapped for the next
+        assert _state(cache) == (14, 8, 6, 6)                # admission, then 2 created
         cache.check_integrity()
         assert cache.usage().allocated_bytes == 6 * PAGE
     finally:

@@ -8,15 +8,20 @@ pages (an unmapped page that still holds a prefix-cache unit), and mapped pages 
 the whole last ``grace_s`` seconds (the minimum of the idle count over that window, less the
 reserve), so a dip between two bursts shorter than the grace releases nothing.
 
-The reserve is also kept **ahead of need**: :meth:`ElasticMixin.top_up_idle` creates plain free pages
-while the idle count is below ``reserve_pages`` (never beyond the cap), off the critical path, so the
-next grows and admissions take created pages instead of calling ``cuMemCreate``.  Idle pages up to
-the reserve are never released, so the top-up and the shrink never undo each other's work.
+The reserve is also kept **ahead of need**, as plain free pages: :meth:`ElasticMixin.top_up_idle`
+creates plain free pages while fewer than ``reserve_pages`` are plain free (never beyond the cap), off
+the critical path, so the next grows and admissions take created pages instead of calling
+``cuMemCreate``.  Kept pages of freed slots do not count toward it: only the slot that kept them can
+use them without a driver call (a warm admission), so a grow elsewhere would still create a page.
+During a burst the pages held are therefore at most the claimed ones, the kept ones (released after
+the grace period) and the reserve; once the burst is over, the reserve.
 
-:class:`ElasticMixin` (a mixin of :class:`~vmkv.vmem.mapper.SlotMapper`) releases them, in this order:
-plain free pages (no driver call but the release), then kept pages without a prefix entry, then cached
-pages (cached free or kept) least recently used first, whose prefix entries are dropped first (a later
-lookup is a miss, never a stale read).  A kept page is unmapped only when the fence of every slot it is
+:class:`ElasticMixin` (a mixin of :class:`~vmkv.vmem.mapper.SlotMapper`) releases idle pages in this
+order: plain free pages beyond the reserve (no driver call but the release), then kept pages without a
+prefix entry, then cached pages (cached free or kept) least recently used first, whose prefix entries
+are dropped first (a later lookup is a miss, never a stale read).  The plain free pages of the reserve
+are never released while other idle pages can go, so the top-up and the shrink never undo each
+other's work.  A kept page is unmapped only when the fence of every slot it is
 mapped in has completed (checked without waiting: a page whose fence is pending waits for a later
 call), so no kernel can still read it; pages a live sequence claims, and sources of pending
 copy-on-write copies, are never candidates.
@@ -88,11 +93,11 @@ class ElasticMixin:
         return self.pool.num_created - self.num_allocated_pages()
 
     def top_up_idle(self, reserve_pages: int, max_pages: int) -> int:
-        """Create pages (plain free) until ``reserve_pages`` are idle, at most ``max_pages`` of them
-        now and never beyond the pool's cap (:meth:`PagePool.top_up`: out of memory ends it
-        quietly).  Returns the number of pages created.  Raises VMMError: a creation failed for
-        another reason than memory."""
-        need = min(reserve_pages - self.num_idle_pages(), max_pages)
+        """Create pages until ``reserve_pages`` are plain free (kept and cached pages do not count,
+        see the module docstring), at most ``max_pages`` of them now and never beyond the pool's
+        cap (:meth:`PagePool.top_up`: out of memory ends it quietly).  Returns the number of pages
+        created.  Raises VMMError: a creation failed for another reason than memory."""
+        need = min(reserve_pages - self.pool.num_free, max_pages)
         if need <= 0:
             return 0
         created = self.pool.top_up(need)
@@ -106,14 +111,15 @@ class ElasticMixin:
                 return True
         return False
 
-    def release_idle_pages(self, num_pages: int) -> int:
+    def release_idle_pages(self, num_pages: int, keep_free: int = 0) -> int:
         """Release up to ``num_pages`` idle pages to the driver (order and safety rules: the module
-        docstring); never waits for a fence.  Returns the number of pages released."""
+        docstring); never waits for a fence, never takes the plain free list below ``keep_free``
+        pages (the reserve).  Returns the number of pages released."""
         released = 0
 
         def drain() -> None:
             nonlocal released
-            while released < num_pages and self.pool.num_free:
+            while released < num_pages and self.pool.num_free > keep_free:
                 self.pool.release_free()
                 released += 1
 

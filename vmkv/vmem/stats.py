@@ -143,10 +143,11 @@ class VMemStatsMixin:
         touches a claimed page; while sequences are live at most :data:`RELEASE_PAGES_PER_CALL` pages
         go per call (the step's critical path stays short), all of them when none is.
 
-        Then tops the reserve up ahead of need: while fewer than ``kv_reserve_bytes`` of pages are
-        idle, plain free pages are created (never beyond ``memory_bytes``; at most
-        :data:`TOP_UP_PAGES_PER_CALL` per call while sequences are live), so the next grows and
-        admissions find created pages; a creation out of memory ends the top-up quietly
+        First it tops the reserve up ahead of need: while fewer than ``kv_reserve_bytes`` of pages
+        are plain free (kept pages of freed slots do not count: :mod:`vmkv.vmem.elastic`), plain free
+        pages are created (never beyond ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per
+        call while sequences are live), so the next grows and admissions find created pages; a
+        creation out of memory ends the top-up quietly
         (``backend_stats()["num_topped_up_pages"]`` counts them).
 
         Args:
@@ -159,20 +160,20 @@ class VMemStatsMixin:
         """
         self._check_open()
         now = time.monotonic() if now is None else float(now)
+        self._top_up()                  # first, so that the window sees the reserve as idle
         num = self._idle_window.observe(now, self.mapper.num_idle_pages())
         released = 0
         if num > 0:
             if len(self.seqs):
                 num = min(num, RELEASE_PAGES_PER_CALL)
-            released = self.mapper.release_idle_pages(num)
+            released = self.mapper.release_idle_pages(num, keep_free=self._idle_window.reserve_pages)
             self._idle_window.released(released)
             if released:
                 logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
-        self._top_up()
         return released * self.layout.page_size_bytes
 
     def _top_up(self) -> int:
-        """Create pages until ``kv_reserve_bytes`` are idle (:meth:`ElasticMixin.top_up_idle`)."""
+        """Create pages until ``kv_reserve_bytes`` are plain free (:meth:`ElasticMixin.top_up_idle`)."""
         limit = TOP_UP_PAGES_PER_CALL if len(self.seqs) else self.pool.max_pages
         return self.mapper.top_up_idle(self._idle_window.reserve_pages, limit)
 

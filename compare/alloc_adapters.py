@@ -124,12 +124,13 @@ class AllocatorEntry:
 
 
 # the factories import their adapter module on first use (one file per peer)
-def _vmem(layout: str, preallocate: bool = False, prefetch: bool = False):
+def _vmem(layout: str, preallocate: bool = False, prefetch: bool = False, page_size_bytes: int | None = None):
     def make(cfg: BenchConfig) -> AllocatorAdapter:
         from vmkv.compare.alloc_vmem import DEFAULT_CUDA_PREFETCH_TOKENS, VMemAdapter
 
         return VMemAdapter(cfg, layout, preallocate=preallocate,
-                           prefetch_tokens=DEFAULT_CUDA_PREFETCH_TOKENS if prefetch else 0)
+                           prefetch_tokens=DEFAULT_CUDA_PREFETCH_TOKENS if prefetch else 0,
+                           page_size_bytes=page_size_bytes)
     return make
 
 
@@ -154,6 +155,9 @@ ALLOCATORS: dict[str, AllocatorEntry] = {
     "vmem-prealloc": AllocatorEntry(_vmem("megacache", preallocate=True)),
     # the engine's prefetch between steps (timed apart and reported), as kvcached's prealloc thread
     "vmem-prefetch": AllocatorEntry(_vmem("megacache", prefetch=True)),
+    # 32 MiB pages (16 x the 2 MiB granularity): fewer, larger physical allocations, as kvcached's
+    # compound pages, at the cost of a 32 MiB (256-token) unit per slot
+    "vmem-32MiB": AllocatorEntry(_vmem("megacache", page_size_bytes=32 << 20)),
     "vattention": AllocatorEntry(_vattention(megacache=False), "vattention"),
     "vattention-megacache": AllocatorEntry(_vattention(megacache=True), "vattention"),
     "kvcached": AllocatorEntry(_kvcached, "kvcached"),

@@ -47,17 +47,20 @@ class VMemAdapter(AllocatorAdapter):
     """vmem through the public interface (``create_kv_cache("vmem", ...)``), default options but the layout.
 
     Args:
+        page_size_bytes: the vmem page size (default: ``cfg.vmem_page_size_bytes``, else the driver's).
         prefetch_tokens: > 0: between steps, ``prefetch`` this many positions past every live sequence's
             length before ``release_idle`` (the engine's order), and before every admission
             ``prefetch_admission`` of its prompt length, both timed apart.
     """
 
     def __init__(self, cfg: BenchConfig, layout: str, preallocate: bool = False,
-                 prefetch_tokens: int = 0) -> None:
+                 prefetch_tokens: int = 0, page_size_bytes: int | None = None) -> None:
         from vmkv.kvcache import backend_options_class, create_kv_cache
 
+        page_size_bytes = page_size_bytes or cfg.vmem_page_size_bytes
         extra = ((", preallocate" if preallocate else "")
-                 + (f", prefetch {prefetch_tokens}" if prefetch_tokens else ""))
+                 + (f", prefetch {prefetch_tokens}" if prefetch_tokens else "")
+                 + (f", {report.fmt_bytes(page_size_bytes)} pages" if page_size_bytes else ""))
         self.name, self.spec = f"vmem ({layout}{extra})", cfg.spec()
         self.prefetch_tokens, self.prefetch_us = prefetch_tokens, []
         self.admit_prefetch_us: dict[str, list[float]] = {"trace": [], "warm": [], "cold": []}
@@ -65,8 +68,8 @@ class VMemAdapter(AllocatorAdapter):
         options = {"layout": layout, "preallocate": preallocate}
         if not self.spec.is_cuda:
             options["driver"] = "host"
-        if cfg.vmem_page_size_bytes:
-            options["page_size_bytes"] = cfg.vmem_page_size_bytes
+        if page_size_bytes:
+            options["page_size_bytes"] = page_size_bytes
         if cfg.vmem_reserve_bytes is not None:
             options["kv_reserve_bytes"] = cfg.vmem_reserve_bytes
         opts = backend_options_class("vmem")(**options)

@@ -394,3 +394,16 @@ def test_vmem_prefetch_prefetches_each_admission_as_the_engine_does_and_reports_
         assert a.touch(ap.COLD_FIRST_ID, CFG.admit_len - 1)
     finally:
         a.close()
+
+
+def test_vmem_32mib_variant_uses_its_own_page_size_over_the_benchs():
+    """``vmem-32MiB`` maps 32 MiB pages whatever ``--vmem-page-size`` says (the larger-allocation point
+    of the comparison), and its memory reads back what was written."""
+    a = ap.ALLOCATORS["vmem-32MiB"].make(bench(kv_memory_bytes=128 << 20))
+    try:
+        assert a.cache.page_size_bytes == 32 << 20 and a.info()["page_size_bytes"] == 32 << 20
+        a.admit(1, CFG.admit_len)
+        assert a.counters().mapped_bytes == 32 << 20 and a.touch(1, CFG.admit_len - 1)
+        a.free(1)
+    finally:
+        a.close()

@@ -276,6 +276,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
     def _set_claimed(self, slot: Slot, claimed: int) -> None:
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
         old = slot.claimed
+        if claimed == old:
+            return                      # e.g. a parked slot adopted at its own length
         step, (start, end) = (1, (old, claimed)) if claimed > old else (-1, (claimed, old))
         self.table.claim_pages(self._pages_of(slot, start, end), step, self._tick)
         slot.claimed = claimed

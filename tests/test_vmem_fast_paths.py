@@ -28,12 +28,34 @@ def _walked(mapper, fn):
         mapper.unshared = saved
 
 
-def _check_decisions(c: VMemKVCache, n: int) -> None:
+def _reference_slot(m, num_units: int, exclude: frozenset):
+    """pick_slot's choice without hits by its definition, every free slot outside ``exclude`` scored:
+    fewest driver calls (a hole: a map; a shared or cached kept page: an unmap and a map), then the
+    kept units closest to ``num_units`` from above (else the most below), then the lowest index."""
+    def key(s):
+        calls = sum(1 if (p := s.page(u, r)) is None else
+                    2 if m.refcount(p) > 1 or m.prefix.is_cached(p) else 0
+                    for u in range(num_units) for r in range(m.num_res))
+        kept = len(s.units)
+        return calls, ((0, kept - num_units) if kept >= num_units else (1, num_units - kept)), s.index
+    return min((s for s in m.slots if s.is_free and s.index not in exclude), key=key, default=None)
+
+
+def _check_decisions(c: VMemKVCache, n: int, rng: random.Random) -> None:
     m = c.mapper
     num_units = c.layout.num_units(n)
     fast_slot = pick_slot(m, num_units, [])
     walk_slot = _walked(m, lambda: pick_slot(m, num_units, []))
     assert fast_slot is walk_slot, (fast_slot and fast_slot.index, walk_slot and walk_slot.index)
+    assert fast_slot is _reference_slot(m, num_units, frozenset())
+    # with some free slots excluded (prefetch_admission's), the first choice among them included
+    free = [s.index for s in m.slots if s.is_free]
+    exclude = frozenset(rng.sample(free, rng.randint(0, len(free))))
+    if fast_slot is not None and rng.random() < 0.5:
+        exclude |= {fast_slot.index}
+    want = _reference_slot(m, num_units, exclude)
+    assert pick_slot(m, num_units, [], exclude) is want
+    assert _walked(m, lambda: pick_slot(m, num_units, [], exclude)) is want
     if fast_slot is not None:
         assert m.plan_occupy(fast_slot, num_units, []) == _walked(
             m, lambda: m.plan_occupy(fast_slot, num_units, []))
@@ -78,7 +100,7 @@ def test_counting_paths_decide_as_the_walks_do(seed, prefix_caching):
                     if len(lens) == c.max_num_seqs:
                         continue
                     n = rng.randint(1, MAX_LEN)
-                    _check_decisions(c, n)
+                    _check_decisions(c, n, rng)
                     ids = prompts[rng.randrange(2)][:n] if prefix_caching else None
                     c.allocate(next_id, n, ids)
                     lens[next_id] = n

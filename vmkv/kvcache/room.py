@@ -23,15 +23,15 @@ class Room:
     Attributes:
         num_needed / num_available: fresh units it takes / units obtainable for it.
         needed_tokens / available_tokens / detail: the :class:`KVCacheFullError` if short
-            (``detail`` may be a callable, formatted only then: plans on the per-step path are
-            many, failures few).
+            (``available_tokens`` and ``detail`` may be callables, evaluated only then: plans on
+            the per-step path are many, failures few; nothing changes between plan and check).
         payload: whatever the backend's apply hook wants back.
     """
 
     num_needed: int
     num_available: int
     needed_tokens: int
-    available_tokens: int
+    available_tokens: int | Callable[[], int]
     detail: str | Callable[[], str]
     payload: object = None
 
@@ -39,4 +39,5 @@ class Room:
         """Raise :class:`KVCacheFullError` (nothing was changed) when the units do not suffice."""
         if self.num_needed > self.num_available:
             detail = self.detail() if callable(self.detail) else self.detail
-            raise KVCacheFullError(self.needed_tokens, self.available_tokens, detail)
+            tokens = self.available_tokens
+            raise KVCacheFullError(self.needed_tokens, tokens() if callable(tokens) else tokens, detail)

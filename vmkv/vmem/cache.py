@@ -133,7 +133,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         slot = pick_slot(self.mapper, num_units, hits)
         fresh, available = self.mapper.plan_occupy(slot, num_units, hits)
         page = self.layout.page_size_bytes
-        return Room(fresh, available, n, self._free_tokens(),
+        return Room(fresh, available, n, self._free_tokens,
                     lambda: f"needs {fresh} more pages of {page} B, {available} obtainable",
                     (slot, num_units, hits))
 
@@ -141,7 +141,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         slot, num_units, hit_pages = room.payload
         table = self.mapper.table
         shared = sum(self.layout.unit_used_bytes(n, u) for u, pages in enumerate(hit_pages)
-                     for p in pages if table.num_claimed(p))
+                     for p in pages if table.num_claimed(p)) if hit_pages else 0
         with out_of_memory_is_full(self.driver, n):
             self.mapper.occupy(slot, seq_id, num_units, hit_pages)
         self._shared_used_bytes += shared

@@ -52,6 +52,14 @@ class FreeSlotIndex:
         order = self._order
         return order[0][1] if order and order[0][0] == 0 else None
 
+    def first_keeping(self, num_units: int) -> int | None:
+        """The free slot keeping the fewest units among those keeping ``>= num_units`` (the lowest
+        index among equals): the first of :meth:`in_bound_order`; ``None`` when no free slot keeps
+        that many."""
+        order = self._order
+        i = bisect_left(order, (num_units, -1))
+        return order[i][1] if i < len(order) else None
+
     def in_bound_order(self, num_units: int) -> Iterator[int]:
         """Free slot indices in ascending order of :func:`~vmkv.vmem.placement.pick_slot`'s lower
         bound for an admission of ``num_units`` units: those keeping ``>= num_units`` units by

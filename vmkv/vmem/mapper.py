@@ -66,10 +66,12 @@ class Slot:
     """One row of the reservations.  ``units[u][r]``: page mapped at unit ``u`` of reservation ``r``;
     ``mapped_to``: units ``[0, mapped_to)`` are known fully mapped (set by prefetch, lowered by every
     unmap), so a prefetch that asks for no more returns at once; ``num_mapped``: pages mapped in the
-    slot (positions, kept by every map and unmap), so an operation over a slot whose units all lie
-    below its range knows the holes without walking them (:meth:`SlotMapper.mapped_below`)."""
+    slot (positions, kept by every map and unmap), and ``units_end``: one past the highest unit in
+    ``units`` (0 when empty, kept by every map and unmap), so an operation over a slot whose units all
+    lie below its range knows the holes without walking them (:meth:`SlotMapper.mapped_below`)."""
 
-    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick", "mapped_to", "num_mapped")
+    __slots__ = ("index", "units", "seq_id", "claimed", "fence", "free_tick", "mapped_to", "num_mapped",
+                 "units_end")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -80,6 +82,7 @@ class Slot:
         self.free_tick = 0
         self.mapped_to = 0
         self.num_mapped = 0
+        self.units_end = 0
 
     @property
     def is_free(self) -> bool:
@@ -157,13 +160,12 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
 
     def mapped_below(self, slot: Slot, num_units: int) -> int:
         """Pages mapped in units ``[0, num_units)`` of ``slot``: a counter when none of its units lies
-        at or above ``num_units`` (the common warm admission; checked with one C-level ``max`` over
-        its unit keys), else a walk of its units."""
-        units = slot.units
-        if not units or max(units) < num_units:
+        at or above ``num_units`` (the common warm admission; O(1) from ``slot.units_end``), else a
+        walk of its units."""
+        if slot.units_end <= num_units:
             return slot.num_mapped
         num_res = self.num_res
-        return sum(num_res - pages.count(None) for u, pages in units.items() if u < num_units)
+        return sum(num_res - pages.count(None) for u, pages in slot.units.items() if u < num_units)
 
     def _set_occupant(self, slot: Slot, seq_id: int | None) -> None:
         """Give ``slot`` to ``seq_id``, or free it (``None``), keeping :attr:`free_slots` current."""
@@ -235,11 +237,15 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         self.num_maps += n
         self.num_map_batches += 1
         slot.num_mapped += n
+        end = slot.units_end
         for unit, res, page in items:
             pages = units.get(unit)
             if pages is None:
                 pages = units[unit] = [None] * self.num_res
+                if unit >= end:
+                    end = unit + 1
             pages[res] = page
+        slot.units_end = end
         if len(units) != num_kept:
             self.free_slots.move(slot.index, len(units))     # a no-op unless the slot is free
         self.table.add_mappings(items, slot.index, 0 if slot.seq_id is None else slot.claimed, self._tick)
@@ -256,8 +262,14 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         slot.num_mapped -= 1
         slot.mapped_to = min(slot.mapped_to, unit)
         if all(p is None for p in pages):
-            del slot.units[unit]
-            self.free_slots.move(slot.index, len(slot.units))
+            units = slot.units
+            del units[unit]
+            if unit + 1 == slot.units_end:      # the top unit went: down to the next kept one (each
+                end = unit                      # unit is passed once between two maps above it)
+                while end and end - 1 not in units:
+                    end -= 1
+                slot.units_end = end
+            self.free_slots.move(slot.index, len(units))
         if self.table.remove_mapping(page, slot.index, self._is_claimed(slot, unit)) == 0:
             self.pool.unmapped(page)          # back to the pool: cached free if it has an entry
         return page
@@ -265,6 +277,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
     def _set_claimed(self, slot: Slot, claimed: int) -> None:
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
         old = slot.claimed
+        if claimed == old:
+            return                      # e.g. a parked slot adopted at its own length
         step, (start, end) = (1, (old, claimed)) if claimed > old else (-1, (claimed, old))
         self.table.claim_pages(self._pages_of(slot, start, end), step, self._tick)
         slot.claimed = claimed

@@ -84,6 +84,10 @@ class MapperCheckMixin:
             if num_mapped != slot.num_mapped:
                 raise AssertionError(f"slot {slot.index} counts {slot.num_mapped} mapped pages, "
                                      f"maps {num_mapped}")
+            units_end = max(slot.units, default=-1) + 1
+            if units_end != slot.units_end:
+                raise AssertionError(f"slot {slot.index} says its units end at {slot.units_end}, "
+                                     f"they end at {units_end}")
             for u, pages in slot.units.items():
                 if all(p is None for p in pages):
                     raise AssertionError(f"slot {slot.index} keeps an empty unit {u}")

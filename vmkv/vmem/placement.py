@@ -38,6 +38,15 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
     unmap and a map); then the kept mapping closest to ``num_units`` from above (else the largest
     below); then the lowest index."""
     entries, num_res, num_hits = mapper.table.entries, mapper.num_res, len(hits)
+    if not num_hits and not len(mapper.prefix):
+        # the common warm admission: the free slot keeping the fewest units >= num_units has the
+        # least lower bound of all (below); when its kept pages back units [0, num_units) without a
+        # call (all mapped there only, no page cached), its key is that bound, so no slot can beat it
+        first = mapper.free_slots.first_keeping(num_units)
+        if first is not None and first not in exclude:
+            s = mapper.slots[first]
+            if mapper.unshared(s) and mapper.mapped_below(s, num_units) == num_units * num_res:
+                return s
     # no prefix entry at all (prefix caching off, or nothing cached yet): no page is cached
     is_cached = mapper.prefix.is_cached if len(mapper.prefix) else frozenset().__contains__
     # no hit, and no page of the slot shared, none cached: each kept page below num_units saves its map

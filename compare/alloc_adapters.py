@@ -158,6 +158,7 @@ ALLOCATORS: dict[str, AllocatorEntry] = {
     # 32 MiB pages (16 x the 2 MiB granularity): fewer, larger physical allocations, as kvcached's
     # compound pages, at the cost of a 32 MiB (256-token) unit per slot
     "vmem-32MiB": AllocatorEntry(_vmem("megacache", page_size_bytes=32 << 20)),
+    "vmem-32MiB-prefetch": AllocatorEntry(_vmem("megacache", prefetch=True, page_size_bytes=32 << 20)),
     "vattention": AllocatorEntry(_vattention(megacache=False), "vattention"),
     "vattention-megacache": AllocatorEntry(_vattention(megacache=True), "vattention"),
     "kvcached": AllocatorEntry(_kvcached, "kvcached"),

@@ -114,6 +114,41 @@ def test_kept_pages_of_freed_slots_do_not_hold_the_top_up_back(monkeypatch):
         cache.close()
 
 
+def test_with_no_sequence_live_the_reserve_stays_mapped_for_the_next_admission(monkeypatch):
+    """Once a burst is over, the reserve is kept as mapped pages of a freed slot (the shrink releases
+    plain free pages first then), so the next admission adopts them without a driver call; as soon
+    as it is live, the reserve for grows is created again as plain free pages."""
+    cache = make_cache(grace_s=5.0, reserve=4 * PAGE)
+    try:
+        for s in range(2):
+            fill(cache, s, 2048, float(s))                   # 8 pages each
+        cache.release_idle(now=0.0)                          # live: 4 plain free pages created
+        assert cache.mapper.pool.num_free == 4
+        cache.free(0)
+        cache.free(1)
+        cache.release_idle(now=1.0)
+        assert cache.release_idle(now=7.0) == (16 + 4 - 4) * PAGE   # plain free first, then kept
+        m = cache.mapper
+        assert m.num_idle_pages() == 4 and m.pool.num_free == 0 and m.pool.num_created == 4
+        inner = getattr(cache.driver, "inner", cache.driver)
+        maps = {"n": 0}
+        real_map = inner._map
+
+        def counting_map(*a):
+            maps["n"] += 1
+            return real_map(*a)
+        monkeypatch.setattr(inner, "_map", counting_map)
+        calls = _count_creations(cache, monkeypatch)
+        fill(cache, 5, 1024, 5.0)                            # 4 pages: the kept reserve, adopted
+        assert maps["n"] == 0 and calls["n"] == 0
+        assert_filled_prefix(cache, 5, 1024, 5.0)
+        cache.release_idle(now=8.0)                          # live again: 4 plain free pages
+        assert m.pool.num_free == 4 and calls["n"] == 4
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
 def test_top_up_never_exceeds_the_cap():
     cache = make_cache(grace_s=5.0, reserve=16 * PAGE, memory_bytes=6 * PAGE)
     try:

@@ -8,20 +8,26 @@ pages (an unmapped page that still holds a prefix-cache unit), and mapped pages 
 the whole last ``grace_s`` seconds (the minimum of the idle count over that window, less the
 reserve), so a dip between two bursts shorter than the grace releases nothing.
 
-The reserve is also kept **ahead of need**, as plain free pages: :meth:`ElasticMixin.top_up_idle`
-creates plain free pages while fewer than ``reserve_pages`` are plain free (never beyond the cap), off
-the critical path, so the next grows and admissions take created pages instead of calling
-``cuMemCreate``.  Kept pages of freed slots do not count toward it: only the slot that kept them can
-use them without a driver call (a warm admission), so a grow elsewhere would still create a page.
-During a burst the pages held are therefore at most the claimed ones, the kept ones (released after
-the grace period) and the reserve; once the burst is over, the reserve.
+The reserve is also kept **ahead of need**, in the form the next allocations can use without a driver
+call, which depends on whether sequences are live (:meth:`ElasticMixin.top_up_idle`, off the
+critical path, never beyond the cap):
+
+* **while sequences are live** it serves their grows: ``reserve_pages`` of **plain free** pages are
+  kept created, so a grow takes one instead of calling ``cuMemCreate``.  Kept pages of freed slots
+  do not count: only the slot that kept them can use them without a driver call (a warm admission),
+  so a grow elsewhere would still create a page.  During a burst the pages held are therefore at
+  most the claimed ones, the kept ones (released after the grace period) and the reserve.
+* **while none is** it serves the next admission: every idle page counts, and the shrink keeps the
+  kept pages of freed slots last, so the reserve stays mapped in a free slot that the next admission
+  adopts without a map call (:func:`~vmkv.vmem.placement.pick_slot` prefers it).  Once the burst is
+  over, the reserve is all that is held.
 
 :class:`ElasticMixin` (a mixin of :class:`~vmkv.vmem.mapper.SlotMapper`) releases idle pages in this
-order: plain free pages beyond the reserve (no driver call but the release), then kept pages without a
-prefix entry, then cached pages (cached free or kept) least recently used first, whose prefix entries
-are dropped first (a later lookup is a miss, never a stale read).  The plain free pages of the reserve
-are never released while other idle pages can go, so the top-up and the shrink never undo each
-other's work.  A kept page is unmapped only when the fence of every slot it is
+order: plain free pages (while sequences are live, only those beyond the reserve; no driver call but
+the release), then kept pages without a prefix entry, then cached pages (cached free or kept) least
+recently used first, whose prefix entries are dropped first (a later lookup is a miss, never a stale
+read).  Idle pages up to the reserve, counted as the top-up counts them, are never released, so the
+top-up and the shrink never undo each other's work.  A kept page is unmapped only when the fence of every slot it is
 mapped in has completed (checked without waiting: a page whose fence is pending waits for a later
 call), so no kernel can still read it; pages a live sequence claims, and sources of pending
 copy-on-write copies, are never candidates.
@@ -92,12 +98,14 @@ class ElasticMixin:
         """Created pages no live sequence claims (see the module docstring)."""
         return self.pool.num_created - self.num_allocated_pages()
 
-    def top_up_idle(self, reserve_pages: int, max_pages: int) -> int:
-        """Create pages until ``reserve_pages`` are plain free (kept and cached pages do not count,
-        see the module docstring), at most ``max_pages`` of them now and never beyond the pool's
-        cap (:meth:`PagePool.top_up`: out of memory ends it quietly).  Returns the number of pages
+    def top_up_idle(self, reserve_pages: int, max_pages: int, live: bool = True) -> int:
+        """Create plain free pages until ``reserve_pages`` are plain free (``live``: sequences are
+        live, so kept and cached pages do not count) or idle (not ``live``), see the module
+        docstring; at most ``max_pages`` of them now and never beyond the pool's cap
+        (:meth:`PagePool.top_up`: out of memory ends it quietly).  Returns the number of pages
         created.  Raises VMMError: a creation failed for another reason than memory."""
-        need = min(reserve_pages - self.pool.num_free, max_pages)
+        have = self.pool.num_free if live else self.num_idle_pages()
+        need = min(reserve_pages - have, max_pages)
         if need <= 0:
             return 0
         created = self.pool.top_up(need)
@@ -114,7 +122,8 @@ class ElasticMixin:
     def release_idle_pages(self, num_pages: int, keep_free: int = 0) -> int:
         """Release up to ``num_pages`` idle pages to the driver (order and safety rules: the module
         docstring); never waits for a fence, never takes the plain free list below ``keep_free``
-        pages (the reserve).  Returns the number of pages released."""
+        pages (the reserve, while sequences are live; else 0).  Returns the number of pages
+        released."""
         released = 0
 
         def drain() -> None:

@@ -334,10 +334,17 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
     def _eviction_order(self, candidates: Iterable[int]) -> list[int]:
         """Pages without a prefix entry first, then least recently used; among pages used at the
         same tick, the deepest prefix unit first (a chain is evicted from its tail, as the paged
-        backend frees a sequence's blocks tail first)."""
+        backend frees a sequence's blocks tail first), and of pages without an entry the highest
+        unit first (a freed slot keeps its first units longest: they are what a later admission
+        into it adopts without a map call)."""
+        entries = self.table.entries
+
         def key(p: int):
             entry = self.prefix.entry_of(p)
-            return (entry is not None, self.table.last_use[p], -entry.depth if entry else 0, p)
+            if entry is not None:
+                return (True, self.table.last_use[p], -entry.depth, p)
+            mapped = entries.get(p)
+            return (False, self.table.last_use[p], -mapped.pos[1] if mapped is not None else 0, p)
         return sorted(candidates, key=key)
 
     def reclaim(self, num_pages: int, exclude: frozenset = frozenset(), wait: bool = True) -> int:

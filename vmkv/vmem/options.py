@@ -28,7 +28,7 @@ DRIVERS = ("auto", "cuda", "host")
 ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa")
 
 
-#: ``kv_reserve_bytes`` default: idle KV memory kept created (plain free pages) after a shrink, ready for the next burst
+#: ``kv_reserve_bytes`` default: idle KV memory kept after a shrink, ready for the next burst
 DEFAULT_KV_RESERVE_BYTES = 64 << 20
 #: ``kv_shrink_grace_s`` default: long enough that an offline run's dips between waves of requests
 #: release nothing (no create/release churn), short enough that a server's burst gives memory back soon
@@ -63,8 +63,9 @@ class VMemOptions(BackendOptions):
         attention_impl: attention implementation on slot views (``ATTENTION_IMPLS``).
         kv_reserve_bytes: elastic shrink: idle physical KV memory (created pages no live sequence
             claims) kept; the rest goes back to the device/OS once it has been idle for
-            ``kv_shrink_grace_s``.  Kept as plain free pages, created ahead of need off the step's
-            critical path, so grows and admissions find them without ``cuMemCreate``.  The cap is the cache's ``memory_bytes`` (``--kv-memory``).
+            ``kv_shrink_grace_s``.  Kept ready off the step's critical path: as plain free pages
+            while sequences are live (grows find them without ``cuMemCreate``), mapped in a freed
+            slot while none is (the next admission adopts them without a map call).  The cap is the cache's ``memory_bytes`` (``--kv-memory``).
         kv_shrink_grace_s: seconds idle memory must stay above the reserve before it is released; 0:
             at once, negative or ``inf``: never (the pool only grows).  ``preallocate`` turns it off.
     Raises:

@@ -144,8 +144,8 @@ class VMemStatsMixin:
         go per call (the step's critical path stays short), all of them when none is.
 
         First it tops the reserve up ahead of need: while fewer than ``kv_reserve_bytes`` of pages
-        are plain free (kept pages of freed slots do not count: :mod:`vmkv.vmem.elastic`), plain free
-        pages are created (never beyond ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per
+        are plain free (while sequences are live: kept pages of freed slots do not count) or idle
+        (while none is; :mod:`vmkv.vmem.elastic`), plain free pages are created (never beyond ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per
         call while sequences are live), so the next grows and admissions find created pages; a
         creation out of memory ends the top-up quietly
         (``backend_stats()["num_topped_up_pages"]`` counts them).
@@ -166,16 +166,19 @@ class VMemStatsMixin:
         if num > 0:
             if len(self.seqs):
                 num = min(num, RELEASE_PAGES_PER_CALL)
-            released = self.mapper.release_idle_pages(num, keep_free=self._idle_window.reserve_pages)
+            keep_free = self._idle_window.reserve_pages if len(self.seqs) else 0
+            released = self.mapper.release_idle_pages(num, keep_free=keep_free)
             self._idle_window.released(released)
             if released:
                 logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
         return released * self.layout.page_size_bytes
 
     def _top_up(self) -> int:
-        """Create pages until ``kv_reserve_bytes`` are plain free (:meth:`ElasticMixin.top_up_idle`)."""
-        limit = TOP_UP_PAGES_PER_CALL if len(self.seqs) else self.pool.max_pages
-        return self.mapper.top_up_idle(self._idle_window.reserve_pages, limit)
+        """Create pages until ``kv_reserve_bytes`` are plain free, or idle while no sequence is live
+        (:meth:`ElasticMixin.top_up_idle`)."""
+        live = bool(len(self.seqs))
+        limit = TOP_UP_PAGES_PER_CALL if live else self.pool.max_pages
+        return self.mapper.top_up_idle(self._idle_window.reserve_pages, limit, live)
 
     # ------------------------------------------------------------------ capacity
     def _free_tokens(self) -> int:

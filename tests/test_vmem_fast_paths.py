@@ -64,6 +64,12 @@ def _check_decisions(c: VMemKVCache, n: int, rng: random.Random) -> None:
     for s in c.seqs.values():
         args = (s.units, range(s.units.claimed), s.seq_len)
         assert c._shared_bytes_of(*args) == _walked(m, lambda: c._shared_bytes_of(*args))
+        # any_shared / plan_writable answer in O(1) for a slot that shares nothing: as the walk does
+        units, res = range(s.units.units_end + 1), range(m.num_res)
+        shared = [(u, r) for u in units for r in res
+                  if (p := s.units.page(u, r)) is not None and m.refcount(p) > 1]
+        assert m.any_shared(s.units, units) == bool(shared)
+        assert m.plan_writable(s.units, units, res) == len(shared)
 
 
 def _check_fork_slot(c: VMemKVCache, parent, num_units: int) -> None:

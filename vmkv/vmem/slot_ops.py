@@ -198,7 +198,11 @@ class SlotOpsMixin:
 
     # ------------------------------------------------------------------ copy-on-write
     def any_shared(self, slot: Slot, units: Iterable[int]) -> bool:
-        """Does any mapped page of ``units`` of ``slot`` have a reference count above 1?"""
+        """Does any mapped page of ``units`` of ``slot`` have a reference count above 1?  (O(1) when
+        no page of the slot is mapped in another slot, ``PageTable.shared_positions``: every decode
+        step asks it of every sequence, and a per_layer unit holds one page per K/V tensor.)"""
+        if slot.index not in self.table.shared_positions:
+            return False
         refcount = self.pool.refcount
         for u in units:
             for p in slot.units.get(u, ()):
@@ -208,6 +212,8 @@ class SlotOpsMixin:
 
     def plan_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int]) -> int:
         """Fresh pages :meth:`make_writable` needs: the shared pages among ``units`` x ``reservations``."""
+        if slot.index not in self.table.shared_positions:
+            return 0
         reservations = tuple(reservations)
         return sum(1 for u in units for r in reservations
                    if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1)

@@ -385,3 +385,19 @@ def test_copy_on_write_out_of_memory_refuses_with_nothing_changed(monkeypatch, v
         assert cache.seq_len(1) == 100
     finally:
         cache.close()
+
+
+def test_look_ahead_out_of_memory_leaves_the_admission_done(monkeypatch):
+    """Regression (found by test_vmem_reserve_fuzz.py): the look-ahead map after an admission (or a
+    grow, a fork) is best effort, but a page creation out of memory there escaped as a VMMError
+    after the mapper had occupied the slot, so the cache never recorded the sequence."""
+    cache = make_cache(grace_s=-1.0, reserve=1 * PAGE, lookahead_tokens=256)
+    try:
+        cache.release_idle(now=0.0)                          # 1 plain free page
+        _count_creations(cache, monkeypatch, fail="ENOMEM (Cannot allocate memory)")
+        fill(cache, 0, 10, 1.0)                              # takes it; the look-ahead cannot create
+        assert cache.has_seq(0) and cache.seq_len(0) == 10
+        assert_filled(cache, 0, 10, 1.0)
+        cache.check_integrity()
+    finally:
+        cache.close()

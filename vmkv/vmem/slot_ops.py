@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from vmkv.vmem.page_pool import creation_out_of_memory
+from vmkv.vmem.protocol import VMMError
+
 if TYPE_CHECKING:
     from vmkv.vmem.mapper import Slot
 
@@ -353,7 +356,11 @@ class SlotOpsMixin:
             end = u + 1
         if end == old:
             return
-        self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
+        try:
+            self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
+        except VMMError as e:       # a creation out of memory ends it quietly (the claim is undone)
+            if not creation_out_of_memory(self.driver, e):
+                raise
 
     def prefetch(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]] = ()) -> int:
         """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of

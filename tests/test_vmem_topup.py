@@ -20,6 +20,7 @@ from test_vmem_elastic import KIB, MIB, PAGE, assert_filled, assert_filled_prefi
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
 from vmkv.vmem import stats as vmem_stats
 from vmkv.vmem.driver import VMMError
+from vmkv import KVCacheFullError, create_kv_cache
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -350,3 +351,53 @@ def test_engine_idle_steps_keep_the_reserve_created(tiny):
         kv.check_integrity()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("via", ["write", "extend"])
+def test_copy_on_write_out_of_memory_refuses_with_nothing_changed(monkeypatch, via):
+    """Regression (found by test_vmem_reserve_fuzz.py): a copy-on-write over several reservations
+    (per_layer: K and V of a layer) whose page creations fail for want of memory, with one idle page
+    to reuse, replaced the first shared page, then failed on the second: the transient
+    KVCacheFullError said nothing changed, but the first copy was never made (the child's K was
+    lost) and the usage counters were off.  The copies' pages are now all acquired first."""
+    page = 16 * KIB
+    cache = create_kv_cache("vmem", SPEC, max_num_seqs=4, max_model_len=1024, memory_bytes=64 * page,
+                            driver="host", page_size_bytes=page, layout="per_layer", kv_reserve_bytes=0,
+                            kv_shrink_grace_s=-1.0)
+    try:
+        m = cache.mapper
+        assert m.num_res == 2 * SPEC.num_layers
+        fill(cache, 0, 100, 3.0)
+        cache.fork(0, 1)                                 # unit 0 shared by both
+        cache.allocate(2, 1)
+        cache.free(2)                                    # 4 kept pages ...
+        assert m.release_idle_pages(3) == 3              # ... of which 1 stays idle
+        _count_creations(cache, monkeypatch, fail="ENOMEM (Cannot allocate memory)")
+        k = torch.zeros(1, SPEC.num_kv_heads, SPEC.head_dim)
+        with pytest.raises(KVCacheFullError):
+            if via == "write":                           # layer 0's K and V pages: 2 copies, 1 page
+                cache.write(1, 0, 99, k, k)
+            else:                                        # a grow into the shared unit: 4 copies
+                cache.extend(1, 10)
+        cache.check_integrity()
+        for s in (0, 1):
+            assert_filled(cache, s, 100, 3.0)
+        assert cache.seq_len(1) == 100
+    finally:
+        cache.close()
+
+
+def test_look_ahead_out_of_memory_leaves_the_admission_done(monkeypatch):
+    """Regression (found by test_vmem_reserve_fuzz.py): the look-ahead map after an admission (or a
+    grow, a fork) is best effort, but a page creation out of memory there escaped as a VMMError
+    after the mapper had occupied the slot, so the cache never recorded the sequence."""
+    cache = make_cache(grace_s=-1.0, reserve=1 * PAGE, lookahead_tokens=256)
+    try:
+        cache.release_idle(now=0.0)                          # 1 plain free page
+        _count_creations(cache, monkeypatch, fail="ENOMEM (Cannot allocate memory)")
+        fill(cache, 0, 10, 1.0)                              # takes it; the look-ahead cannot create
+        assert cache.has_seq(0) and cache.seq_len(0) == 10
+        assert_filled(cache, 0, 10, 1.0)
+        cache.check_integrity()
+    finally:
+        cache.close()

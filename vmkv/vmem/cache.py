@@ -224,10 +224,15 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         targets, res = room.payload
         pairs = []
         with out_of_memory_is_full(self.driver, 0):
-            for s, units in targets:
-                shared = self._shared_bytes_of(s.units, units, s.seq_len, res)
-                pairs += self.mapper.make_writable(s.units, units, res)
-                self._shared_used_bytes -= shared
+            # every copy's page first, so that running out of memory changes nothing (mapper)
+            fresh = self.mapper.acquire_for_cow([(s.units, units) for s, units in targets], res)
+            try:
+                for s, units in targets:
+                    shared = self._shared_bytes_of(s.units, units, s.seq_len, res)
+                    pairs += self.mapper.make_writable(s.units, units, res, fresh=fresh)
+                    self._shared_used_bytes -= shared
+            finally:
+                self.mapper.give_back_fresh(fresh)
         return pairs
 
     def copy_units(self, pairs: Sequence[tuple]) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from vmkv.vmem.page_pool import creation_out_of_memory
+from vmkv.vmem.protocol import VMMError
+
 if TYPE_CHECKING:
     from vmkv.vmem.mapper import Slot
 
@@ -187,13 +190,20 @@ class SlotOpsMixin:
         row are copied, others just replaced).  Returns the copies to make (:meth:`make_writable`)."""
         old = slot.claimed
         cow_units = [u for u in cow_units if u < old]
-        if num_units > old:
-            self._claim_units(slot, old, num_units)
-        page_bytes = self.layout.page_size_bytes
-        pairs = []
-        for u in cow_units:
-            pairs += self.make_writable(slot, [u], range(self.num_res),
-                                        copy=u * page_bytes < copy_below_bytes)
+        fresh: list[int] = []
+        if cow_units:       # the copies' pages first, all or none (a creation out of memory)
+            kept = frozenset(p for u in range(old, num_units) for p in slot.units.get(u, ()) if p is not None)
+            fresh = self.acquire_for_cow([(slot, cow_units)], range(self.num_res), kept)
+        try:
+            if num_units > old:
+                self._claim_units(slot, old, num_units)
+            page_bytes = self.layout.page_size_bytes
+            pairs = []
+            for u in cow_units:
+                pairs += self.make_writable(slot, [u], range(self.num_res),
+                                            copy=u * page_bytes < copy_below_bytes, fresh=fresh)
+        finally:
+            self.give_back_fresh(fresh)
         return pairs
 
     # ------------------------------------------------------------------ copy-on-write
@@ -219,7 +229,7 @@ class SlotOpsMixin:
                    if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1)
 
     def make_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int],
-                      copy: bool = True) -> list[tuple]:
+                      copy: bool = True, fresh: list[int] | None = None) -> list[tuple]:
         """Before writing into claimed ``units``: give every shared page a private copy
         (copy-on-write) and drop the prefix entry of unshared pages (their content changes).
 
@@ -227,22 +237,59 @@ class SlotOpsMixin:
             ``(src_va, dst_va, src_slot, unit)`` of each page whose bytes the caller must copy (in
             reverse order, after the whole batch: a later copy may remap an earlier source), then
             pass to :meth:`copied`.  Sources stay mapped until then (:attr:`_pending`).
+            ``fresh``: pages of :meth:`acquire_for_cow` to take the copies' pages from (the caller
+            gives back what is left); default: acquired here, all before any page is replaced.
         """
-        reservations = tuple(reservations)
+        reservations, units = tuple(reservations), tuple(units)
+        own = fresh is None
+        if own:
+            fresh = self.acquire_for_cow([(slot, units)], reservations)
         pairs = []
-        for u in units:
-            for r in reservations:
-                page = slot.page(u, r)
-                if page is None:
-                    continue
-                if self.pool.refcount(page) > 1:
-                    pair = self._cow(slot, u, r)
-                    if copy:
-                        pairs.append(pair)
-                        self._pending.add(page)
-                else:
-                    self._forget(page)
+        try:
+            for u in units:
+                for r in reservations:
+                    page = slot.page(u, r)
+                    if page is None:
+                        continue
+                    if self.pool.refcount(page) > 1:
+                        pair = self._cow(slot, u, r, fresh.pop())
+                        if copy:
+                            pairs.append(pair)
+                            self._pending.add(page)
+                    else:
+                        self._forget(page)
+        finally:
+            if own:
+                self.give_back_fresh(fresh)
         return pairs
+
+    def acquire_for_cow(self, targets: Sequence[tuple], reservations: Iterable[int],
+                        exclude: frozenset = frozenset()) -> list[int]:
+        """The fresh pages :meth:`make_writable` of each ``(slot, units)`` of ``targets`` needs, all
+        acquired before any page is replaced, so that a creation out of memory (after reusing idle
+        pages, :meth:`_acquire`) refuses with nothing changed: a page replaced and its copy never
+        made would lose the sequence's K/V.  All or none: on a failure those acquired go back.
+        ``exclude``: pages the reclaiming must leave alone (besides the shared pages themselves)."""
+        reservations = tuple(reservations)
+        shared = [p for slot, units in targets for u in units for r in reservations
+                  if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1]
+        if not shared:
+            return []
+        exclude = frozenset(exclude | set(shared) | self._pending)
+        pages: list[int] = []
+        try:
+            for _ in shared:
+                self._ensure_pool(1, exclude)
+                pages.append(self._acquire(exclude))
+        except BaseException:
+            self.give_back_fresh(pages)
+            raise
+        return pages
+
+    def give_back_fresh(self, pages: list[int]) -> None:
+        """Return the unused pages of :meth:`acquire_for_cow` to the pool (the list is emptied)."""
+        while pages:
+            self.pool.give_back(pages.pop())
 
     def copied(self, pairs: Sequence[tuple]) -> None:
         """The bytes of ``pairs`` (from :meth:`make_writable`) are copied: a source mapping that is
@@ -254,12 +301,10 @@ class SlotOpsMixin:
                 fence = self.driver.record_fence() if fence is None else fence
                 src.fence = fence
 
-    def _cow(self, slot: Slot, unit: int, res: int) -> tuple:
+    def _cow(self, slot: Slot, unit: int, res: int, new: int) -> tuple:
+        """Replace the shared page at ``(unit, res)`` of ``slot`` with ``new`` (acquired, unmapped)."""
         old = slot.page(unit, res)
         src = self.slots[min(self.table.slots_of(old) - {slot.index})]
-        exclude = frozenset(self._pending | {old})
-        self._ensure_pool(1, exclude)
-        new = self._acquire(exclude)
         if self._is_claimed(slot, unit):
             self._sync()        # kernels of earlier steps may still read this slot's page
         else:
@@ -317,7 +362,11 @@ class SlotOpsMixin:
             end = u + 1
         if end == old:
             return
-        self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
+        try:
+            self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
+        except VMMError as e:       # a creation out of memory ends it quietly (the claim is undone)
+            if not creation_out_of_memory(self.driver, e):
+                raise
 
     def prefetch(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]] = ()) -> int:
         """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of

@@ -271,7 +271,8 @@ class SlotOpsMixin:
         made would lose the sequence's K/V.  All or none: on a failure those acquired go back.
         ``exclude``: pages the reclaiming must leave alone (besides the shared pages themselves)."""
         reservations = tuple(reservations)
-        shared = [p for slot, units in targets for u in units for r in reservations
+        shared_slots = self.table.shared_positions       # a slot absent from it shares no page
+        shared = [p for slot, units in targets if slot.index in shared_slots for u in units for r in reservations
                   if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1]
         if not shared:
             return []

@@ -122,11 +122,12 @@ class ElasticMixin:
     def release_idle_pages(self, num_pages: int, keep_free: int = 0) -> int:
         """Release up to ``num_pages`` idle pages to the driver (order and safety rules: the module
         docstring); never waits for a fence, never takes the plain free list below ``keep_free``
-        pages (the reserve, while sequences are live; else 0).  At most ``num_pages`` pages are
-        unmapped or evicted in one call: below ``keep_free`` an unmapped page refills the reserve
-        instead of going, and the walk must not run on through every idle page then.  Returns the
-        number of pages released."""
-        released = touched = 0
+        pages (the reserve, while sequences are live; else 0).  Below ``keep_free`` (at the cap, or
+        when creation is out of memory) an unmapped page refills the reserve instead of going, so a
+        call unmaps or evicts at most ``num_pages`` plus the pages missing from the reserve when it
+        starts (the grows that follow would otherwise reclaim them on the critical path).  Returns
+        the number of pages released."""
+        released = 0
 
         def drain() -> None:
             nonlocal released
@@ -140,7 +141,7 @@ class ElasticMixin:
                 self.unpark_all()         # their pages become reclaimable, as at their vacate
             candidates = (self.table.reclaimable | self.pool.cached_pages()) - self._pending
             for page in self._eviction_order(candidates):
-                if released >= num_pages or touched >= num_pages:
+                if released >= num_pages:
                     break
                 if self.pool.is_cached_free(page):
                     self.pool.evict(page)
@@ -156,7 +157,6 @@ class ElasticMixin:
                         self._unmap(slot, unit, res)
                 else:
                     continue    # fence pending, or already plain free (an eviction above freed it)
-                touched += 1
                 drain()
         self.num_released_pages += released
         return released

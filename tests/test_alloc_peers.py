@@ -374,7 +374,7 @@ def test_vmem_prefetch_prefetches_each_admission_as_the_engine_does_and_reports_
     assert r["status"] == "ok" and r["touch_ok"]
     apf = r["info"]["admit_prefetch"]
     assert (apf["trace"]["num_calls"], apf["warm"]["num_calls"], apf["cold"]["num_calls"]) == \
-        (CFG.num_seqs, CFG.admit_reps, CFG.admit_reps)
+        (CFG.num_seqs, CFG.admit_reps - 1, CFG.admit_reps)   # warm: as admit_warm, without the first
     row = ap.rows([r])[0]
     assert row[5].endswith(" prefetch") and row[6].endswith(" prefetch")
     plain = ap.run_allocator("vmem", bench(), CFG)
@@ -407,3 +407,14 @@ def test_vmem_32mib_variant_uses_its_own_page_size_over_the_benchs():
         a.free(1)
     finally:
         a.close()
+
+
+def test_vmem_prefetch_warm_note_covers_the_same_admissions_as_the_warm_figure():
+    """The warm admission figures leave out the first admission (it follows the idle phase); the
+    "+ N prefetch" shown beside the warm p50 must be over the same admissions, the first kept apart."""
+    r = ap.run_allocator("vmem-prefetch", bench(), CFG)
+    warm = r["info"]["admit_prefetch"]["warm"]
+    assert warm["num_calls"] == r["admit_warm"]["num"] == CFG.admit_reps - 1
+    assert warm["first_us"] is not None and warm["first_us"] > 0
+    cold = r["info"]["admit_prefetch"]["cold"]
+    assert cold["num_calls"] == r["admit_cold"]["num"] == CFG.admit_reps

@@ -18,7 +18,9 @@ pages, each figure the p50 / p99 over the pages of ``--reps`` rounds, in microse
 * ``unmap``, ``release``: cuMemUnmap / cuMemRelease of one page.
 
 On CUDA also, with cuda-python directly: ``compound_<n>``: create, map and set access of one allocation
-of ``n`` pages (one call each), and its unmap + release, per page (kvcached's compound pages); and
+of ``n`` pages (one call each), and its unmap + release, per page (kvcached's compound pages);
+``map_prefix_of_allocation``: the result code of mapping only the first page of a 2-page allocation
+(may an allocation be mapped in part, e.g. to share one page of it?); and
 ``threaded_create``: pages created on a second thread while this one maps (does cuMemCreate run
 beside cuMemMap, or do the two serialize in the driver?), as the wall time of both against each alone.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -39,6 +42,13 @@ import numpy as np
 __all__ = ["measure_driver", "measure_compound", "main"]
 
 
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _environment() -> dict:
     import platform
 
@@ -47,7 +57,8 @@ def _environment() -> dict:
     return {"command": " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
             "torch_cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in
                                                        range(torch.cuda.device_count())],
-            "git_commit": os.environ.get("VMKV_GIT_COMMIT"), "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "git_commit": os.environ.get("VMKV_GIT_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+            "git_status": _git("status", "--porcelain", "--untracked-files=normal"), "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _stats(us: list[float]) -> dict:
@@ -234,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("compound_"):
             for k, v in rows.items():
                 lines.append(f"| {name} {k} (per page) | {v['p50_us']:.2f} | {v['p99_us']:.2f} | {v['n']} |")
-    text = "\n".join(lines) + "\n\n" + json.dumps({k: v for k, v in payload.get("cuda", {}).items()
-                                                 if not k.startswith("compound_")}, indent=1) + "\n"
+    extra = {k: v for k, v in payload.get("cuda", {}).items() if not k.startswith("compound_")}
+    text = "\n".join(lines) + "\n" + ("\n" + json.dumps(extra, indent=1) + "\n" if extra else "")
     (a.out / "driver_calls.md").write_text(text)
     print(text)
     return 0

@@ -65,7 +65,6 @@ class VMemAdapter(AllocatorAdapter):
         self.name, self.spec = f"vmem ({layout}{extra})", cfg.spec()
         self.prefetch_tokens, self.prefetch_us = prefetch_tokens, []
         self.admit_prefetch_us: dict[str, list[float]] = {"trace": [], "warm": [], "cold": []}
-        self._phase = "trace"
         options = {"layout": layout, "preallocate": preallocate}
         if not self.spec.is_cuda:
             options["driver"] = "host"
@@ -145,11 +144,7 @@ class VMemAdapter(AllocatorAdapter):
         keys = ("layout", "driver", "page_size_bytes", "pages_per_unit", "kv_reserve_bytes", "num_maps",
                 "num_unmaps", "map_us_p50", "map_us_p99", "unmap_us_p50", "unmap_us_p99",
                 "num_pages_created", "num_released_pages", "num_topped_up_pages", "num_prefetched_pages")
-        us = np.asarray(self.prefetch_us, dtype=np.float64)
-        prefetch = {"tokens": self.prefetch_tokens, "num_calls": int(us.size),
-                    "total_ms": float(us.sum()) / 1e3,
-                    "p50_us": float(np.percentile(us, 50)) if us.size else None,
-                    "p99_us": float(np.percentile(us, 99)) if us.size else None}
+        prefetch = {"tokens": self.prefetch_tokens, **_summary_us(self.prefetch_us)}
         admit_prefetch = {k: _summary_us(v) for k, v in self.admit_prefetch_us.items()}
         # as the runner's admit_warm: the first warm admission follows the idle phase, so the warm figures
         # (shown beside the warm admission's p50) are over the rest, the first kept apart

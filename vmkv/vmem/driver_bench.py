@@ -58,7 +58,8 @@ def _environment() -> dict:
             "torch_cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in
                                                        range(torch.cuda.device_count())],
             "git_commit": os.environ.get("VMKV_GIT_COMMIT") or _git("rev-parse", "--short", "HEAD"),
-            "git_status": _git("status", "--porcelain", "--untracked-files=normal"), "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "git_status": _git("status", "--porcelain", "--untracked-files=normal"),
+            "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _stats(us: list[float]) -> dict:

@@ -27,9 +27,9 @@ order: plain free pages (while sequences are live, only those beyond the reserve
 the release), then kept pages without a prefix entry, then cached pages (cached free or kept) least
 recently used first, whose prefix entries are dropped first (a later lookup is a miss, never a stale
 read).  Idle pages up to the reserve, counted as the top-up counts them, are never released, so the
-top-up and the shrink never undo each other's work.  A kept page is unmapped only when the fence of every slot it is
-mapped in has completed (checked without waiting: a page whose fence is pending waits for a later
-call), so no kernel can still read it; pages a live sequence claims, and sources of pending
+top-up and the shrink never undo each other's work.  A kept page is unmapped only when the fence of
+every slot it is mapped in has completed (checked without waiting: a page whose fence is pending
+waits for a later call), so no kernel can still read it; pages a live sequence claims, and sources of pending
 copy-on-write copies, are never candidates.
 """
 

@@ -65,7 +65,8 @@ class VMemOptions(BackendOptions):
             claims) kept; the rest goes back to the device/OS once it has been idle for
             ``kv_shrink_grace_s``.  Kept ready off the step's critical path: as plain free pages
             while sequences are live (grows find them without ``cuMemCreate``), mapped in a freed
-            slot while none is (the next admission adopts them without a map call).  The cap is the cache's ``memory_bytes`` (``--kv-memory``).
+            slot while none is (the next admission adopts them without a map call).  The cap is
+            the cache's ``memory_bytes`` (``--kv-memory``).
         kv_shrink_grace_s: seconds idle memory must stay above the reserve before it is released; 0:
             at once, negative or ``inf``: never (the pool only grows).  ``preallocate`` turns it off.
     Raises:

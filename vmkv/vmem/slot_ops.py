@@ -220,13 +220,18 @@ class SlotOpsMixin:
                     return True
         return False
 
+    def shared_pages(self, slot: Slot, units: Iterable[int], reservations: Iterable[int]) -> list[int]:
+        """The pages among ``units`` x ``reservations`` of ``slot`` mapped in another slot too (those
+        :meth:`make_writable` copies); O(1) for a slot that shares no page."""
+        if slot.index not in self.table.shared_positions:
+            return []
+        reservations = tuple(reservations)
+        return [p for u in units for r in reservations
+                if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1]
+
     def plan_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int]) -> int:
         """Fresh pages :meth:`make_writable` needs: the shared pages among ``units`` x ``reservations``."""
-        if slot.index not in self.table.shared_positions:
-            return 0
-        reservations = tuple(reservations)
-        return sum(1 for u in units for r in reservations
-                   if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1)
+        return len(self.shared_pages(slot, units, reservations))
 
     def make_writable(self, slot: Slot, units: Iterable[int], reservations: Iterable[int],
                       copy: bool = True, fresh: list[int] | None = None) -> list[tuple]:
@@ -271,9 +276,7 @@ class SlotOpsMixin:
         made would lose the sequence's K/V.  All or none: on a failure those acquired go back.
         ``exclude``: pages the reclaiming must leave alone (besides the shared pages themselves)."""
         reservations = tuple(reservations)
-        shared_slots = self.table.shared_positions       # a slot absent from it shares no page
-        shared = [p for slot, units in targets if slot.index in shared_slots for u in units for r in reservations
-                  if (p := slot.page(u, r)) is not None and self.pool.refcount(p) > 1]
+        shared = [p for slot, units in targets for p in self.shared_pages(slot, units, reservations)]
         if not shared:
             return []
         exclude = frozenset(exclude | set(shared) | self._pending)

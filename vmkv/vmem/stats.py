@@ -145,10 +145,10 @@ class VMemStatsMixin:
 
         First it tops the reserve up ahead of need: while fewer than ``kv_reserve_bytes`` of pages
         are plain free (while sequences are live: kept pages of freed slots do not count) or idle
-        (while none is; :mod:`vmkv.vmem.elastic`), plain free pages are created (never beyond ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per
-        call while sequences are live), so the next grows and admissions find created pages; a
-        creation out of memory ends the top-up quietly
-        (``backend_stats()["num_topped_up_pages"]`` counts them).
+        (while none is; :mod:`vmkv.vmem.elastic`), plain free pages are created (never beyond
+        ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per call while sequences are live),
+        so the next grows and admissions find created pages; a creation out of memory ends the
+        top-up quietly (``backend_stats()["num_topped_up_pages"]`` counts them).
 
         Args:
             now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.

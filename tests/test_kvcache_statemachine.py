@@ -66,6 +66,8 @@ SM_LIMITS = {
     "vmem-megacache": dict(max_num_seqs=5, max_model_len=48, capacity_tokens=96),
     "vmem-per_layer": dict(max_num_seqs=4, max_model_len=128, capacity_tokens=256),
     "vmem-lookahead": dict(max_num_seqs=5, max_model_len=48, capacity_tokens=96),
+    "vmem-span": dict(max_num_seqs=5, max_model_len=48, capacity_tokens=96),
+    "vmem-span-per_layer": dict(max_num_seqs=4, max_model_len=256, capacity_tokens=512),
 }
 
 SM_SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None, database=None,

@@ -63,7 +63,7 @@ def _driver(spec: KVCacheSpec, driver: str | VMMDriver, layout: str, max_model_l
 
 def build_backing(spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, memory_bytes: int,
                   driver: str | VMMDriver, layout: str, page_size_bytes: int | None, preallocate: bool,
-                  prefix: PrefixIndex) -> Backing:
+                  prefix: PrefixIndex, max_span_bytes: int | None = None) -> Backing:
     """Make (or check) the driver, the layout, ``memory_bytes // page_size_bytes`` pages of pool, the
     reservations and their guard pages and the K/V views (arguments as ``VMemKVCache``'s).
 
@@ -89,6 +89,8 @@ def build_backing(spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, m
                 f"memory_bytes to >= {lay.bytes_per_unit} or lower page_size_bytes")
         pool = PagePool(drv, max_pages, preallocate, prefix)
         mapper = SlotMapper(drv, lay, pool, prefix)
+        if max_span_bytes is not None and getattr(drv, "supports_spans", False):
+            mapper.max_span_pages = max(1, int(max_span_bytes) // page)
         try:  # kernel launches receive guard addresses, never slot 0's (layout.py, "guard page")
             bases = [drv.as_tensor(va, lay.reservation_bytes) for va in mapper.bases]
             lay.map_guards(drv, mapper.bases)

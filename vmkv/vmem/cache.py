@@ -29,7 +29,7 @@ import torch
 
 from vmkv.kernels import ops
 from vmkv.kvcache.core import KVCacheCore, Room
-from vmkv.kvcache.errors import SlotsExhaustedError
+from vmkv.kvcache.errors import KVCacheFullError, SlotsExhaustedError
 from vmkv.kvcache.metadata import build_metadata, step_token_positions
 from vmkv.kvcache.records import AttentionMetadata, StepSeq
 from vmkv.kvcache.seqtable import SeqState, check_count
@@ -74,6 +74,8 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         kv_reserve_bytes, kv_shrink_grace_s: elastic shrink (:meth:`release_idle`): idle pages beyond
             ``kv_reserve_bytes`` for ``kv_shrink_grace_s`` seconds are released (0: at once; negative
             or ``inf``: never; off with ``preallocate``); ``memory_bytes`` is the cap growth stops at.
+        max_span_bytes: runs of fresh pages of one slot are created as one allocation (a span) of up
+            to this many bytes (``VMemOptions.max_span_bytes``); ``None``: one page each.
     Raises:
         ValueError: a bad argument (names the value and the allowed range).
         VMMError: a virtual-memory call failed.
@@ -87,19 +89,22 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
                  page_size_bytes: int | None = None, enable_prefix_caching: bool = True,
                  lookahead_tokens: int = 0, preallocate: bool = False,
                  attention_impl: str = "auto", kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
-                 kv_shrink_grace_s: float = DEFAULT_KV_SHRINK_GRACE_S) -> None:
+                 kv_shrink_grace_s: float = DEFAULT_KV_SHRINK_GRACE_S,
+                 max_span_bytes: int | None = None) -> None:
         super().__init__(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          memory_bytes=memory_bytes)
         self.lookahead_tokens = check_count("lookahead_tokens", lookahead_tokens, 0)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         self.attention_impl = attention_impl
-        for name, value in (("kv_reserve_bytes", kv_reserve_bytes), ("kv_shrink_grace_s", kv_shrink_grace_s)):
+        for name, value in (("kv_reserve_bytes", kv_reserve_bytes), ("kv_shrink_grace_s", kv_shrink_grace_s),
+                            ("max_span_bytes", max_span_bytes)):
             VMemOptions.check_field(name, value, owner="VMemKVCache")
         self.kv_reserve_bytes, self.kv_shrink_grace_s = kv_reserve_bytes, float(kv_shrink_grace_s)
         b = build_backing(spec, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                           memory_bytes=self.memory_bytes, driver=driver, layout=layout,
-                          page_size_bytes=page_size_bytes, preallocate=preallocate, prefix=self.prefix)
+                          page_size_bytes=page_size_bytes, preallocate=preallocate, prefix=self.prefix,
+                          max_span_bytes=max_span_bytes)
         self.driver, self._owns_driver, self.layout, self.pool, self.mapper = (
             b.driver, b.owns_driver, b.layout, b.pool, b.mapper)
         self.base_tensors, self._k, self._v = b.base_tensors, b.keys, b.values
@@ -139,12 +144,14 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
         slot, num_units, hit_pages = room.payload
-        table = self.mapper.table
+        table, span_of = self.mapper.table, self.pool.span_of
+        # a hit on a span's page is copied, not shared (mapper.occupy)
         shared = sum(self.layout.unit_used_bytes(n, u) for u, pages in enumerate(hit_pages)
-                     for p in pages if table.num_claimed(p)) if hit_pages else 0
+                     for p in pages if table.num_claimed(p) and p not in span_of) if hit_pages else 0
         with out_of_memory_is_full(self.driver, n):
-            self.mapper.occupy(slot, seq_id, num_units, hit_pages)
+            pairs = self.mapper.occupy(slot, seq_id, num_units, hit_pages)
         self._shared_used_bytes += shared
+        self._copy(pairs)
         self._map_ahead(slot, n)
         return slot, None
 
@@ -186,9 +193,20 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
     def _share(self, parent: SeqState, child_id):
         num_units = self.layout.num_units(parent.seq_len)
         slot = pick_fork_slot(self.mapper, parent.units, num_units)
-        self.mapper.share(slot, parent.units, child_id, num_units)
-        self._shared_used_bytes += (parent.seq_len * self.layout.row_token_bytes
-                                    * self.layout.pages_per_unit)
+        need = self.mapper.plan_share(parent.units, num_units)     # span pages are copied
+        if need:
+            available = self.mapper.available_pages()
+            if need > available:
+                raise KVCacheFullError(parent.seq_len, 0, f"fork copies {need} pages of spans, "
+                                                          f"{available} obtainable")
+        with out_of_memory_is_full(self.driver, parent.seq_len):
+            pairs = self.mapper.share(slot, parent.units, child_id, num_units)
+        if pairs:
+            self._shared_used_bytes += self._shared_bytes_of(slot, range(num_units), parent.seq_len)
+            self._copy(pairs)
+        else:
+            self._shared_used_bytes += (parent.seq_len * self.layout.row_token_bytes
+                                        * self.layout.pages_per_unit)
         self._map_ahead(slot, parent.seq_len)
         return slot, None
 

@@ -6,7 +6,7 @@ are thin wrappers over the OS / CUDA calls and keep no mapping table: the cache'
 catch misuse with a typed :class:`~vmkv.vmem.protocol.VMMError` naming the call (what the real call
 would do is undefined or a sticky CUDA error): a double map, unmapping an unmapped address, an
 address outside a reservation or off a page boundary, releasing a mapped or unknown page, access
-to an unmapped range, using a closed driver.  It keeps its own mapping table, so it also tells an
+to an unmapped range, using a closed driver, mapping or releasing part of a span.  It keeps its own mapping table, so it also tells an
 unmapped address from a mapped one (:meth:`page_state`) and lets
 :meth:`~vmkv.vmem.mapper.SlotMapper.check_integrity` compare the page table with what is mapped
 (:meth:`check_mappings`).  Torch-free: :meth:`as_tensor` is the wrapped driver's.
@@ -29,8 +29,9 @@ class CheckedDriver:
     def __init__(self, driver) -> None:
         self.inner = driver
         self._reservations: dict[int, int] = {}        # va -> nbytes
-        self._mappings: dict[int, int] = {}            # va -> page handle
+        self._mappings: dict[int, object] = {}         # va -> page handle, or (span handle, index)
         self._page_map_count: dict[int, int] = {}      # live page handle -> number of mappings
+        self._span_pages: dict[int, int] = {}          # live span handle -> its pages
         self._no_access: set[int] = set()              # mapped va whose access is not set yet
         self._guards: set[int] = set()
         self._closed = False
@@ -84,13 +85,23 @@ class CheckedDriver:
         self._guards = {g for g in self._guards if not va <= g < va + nbytes}
         del self._reservations[va]
 
-    def create_page(self) -> int:
+    def _num_pages_of(self, op: str, handle: int, num_pages: int) -> None:
+        n = self._span_pages.get(handle, 1)
+        if int(num_pages) != n:
+            raise self._invalid(op, f"handle {handle} is {'a span of ' if n > 1 else ''}{n} page(s), "
+                                    f"not {num_pages}: a span is mapped, unmapped and released whole")
+
+    def create_page(self, num_pages: int = 1) -> int:
         self._check_open("create_page")
-        handle = self.inner.create_page()
+        if int(num_pages) < 1:
+            raise self._invalid("create_page", f"num_pages={num_pages} must be >= 1")
+        handle = self.inner.create_page(num_pages) if num_pages != 1 else self.inner.create_page()
         self._page_map_count[handle] = 0
+        if num_pages != 1:
+            self._span_pages[handle] = int(num_pages)
         return handle
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int, num_pages: int = 1) -> None:
         self._check_open("release")
         count = self._page_map_count.get(handle)
         if count is None:
@@ -98,35 +109,59 @@ class CheckedDriver:
         if count:
             raise self._invalid("release", f"page {handle} is still mapped at {count} addresses; "
                                            f"unmap it first")
-        self.inner.release(handle)
+        self._num_pages_of("release", handle, num_pages)
+        if num_pages != 1:
+            self.inner.release(handle, num_pages)
+        else:
+            self.inner.release(handle)
         del self._page_map_count[handle]
+        self._span_pages.pop(handle, None)
 
-    def map(self, va: int, handle: int, *, set_access: bool = True) -> None:
+    def map(self, va: int, handle: int, *, set_access: bool = True, num_pages: int = 1) -> None:
         self._check_open("map")
         self._check_page_va("map", va)
-        if va in self._mappings:
-            raise self._invalid("map", f"va={va:#x} is already mapped; unmap it first")
-        if va in self._guards:
-            raise self._invalid("map", f"va={va:#x} is a guard page (mapped for the reservation's "
-                                       f"lifetime); map another page")
         if handle not in self._page_map_count:
             raise self._invalid("map", f"unknown or released page handle {handle}")
-        self.inner.map(va, handle, set_access=set_access)
-        self._mappings[va] = handle
+        self._num_pages_of("map", handle, num_pages)
+        page = self.inner.page_size_bytes
+        vas = [va + i * page for i in range(int(num_pages))]
+        self._reservation_of("map", va, len(vas) * page)
+        for a in vas:
+            if a in self._mappings:
+                raise self._invalid("map", f"va={a:#x} is already mapped; unmap it first")
+            if a in self._guards:
+                raise self._invalid("map", f"va={a:#x} is a guard page (mapped for the reservation's "
+                                           f"lifetime); map another page")
+        if num_pages != 1:
+            self.inner.map(va, handle, set_access=set_access, num_pages=num_pages)
+        else:
+            self.inner.map(va, handle, set_access=set_access)
+        for i, a in enumerate(vas):
+            self._mappings[a] = handle if num_pages == 1 else (handle, i)
+            if not set_access:
+                self._no_access.add(a)
         self._page_map_count[handle] += 1
-        if not set_access:
-            self._no_access.add(va)
 
-    def unmap(self, va: int) -> None:
+    def unmap(self, va: int, num_pages: int = 1) -> None:
         self._check_open("unmap")
-        handle = self._mappings.get(va)
-        if handle is None:
+        mapped = self._mappings.get(va)
+        if mapped is None:
             what = "a guard page is mapped for the reservation's lifetime" if va in self._guards else \
                 "nothing is mapped"
             raise self._invalid("unmap", f"{what} at va={va:#x}")
-        self.inner.unmap(va)
-        del self._mappings[va]
-        self._no_access.discard(va)
+        handle, index = mapped if isinstance(mapped, tuple) else (mapped, 0)
+        if index:
+            raise self._invalid("unmap", f"va={va:#x} is page {index} of span {handle}; unmap the span "
+                                         f"from its first page")
+        self._num_pages_of("unmap", handle, num_pages)
+        if num_pages != 1:
+            self.inner.unmap(va, num_pages)
+        else:
+            self.inner.unmap(va)
+        page = self.inner.page_size_bytes
+        for i in range(int(num_pages)):
+            del self._mappings[va + i * page]
+            self._no_access.discard(va + i * page)
         self._page_map_count[handle] -= 1
 
     def set_access(self, va: int, nbytes: int) -> None:
@@ -188,12 +223,13 @@ class CheckedDriver:
     def has_access(self, va: int) -> bool:
         return va in self._mappings and va not in self._no_access
 
-    def mapped_handle(self, va: int) -> int | None:
+    def mapped_handle(self, va: int) -> int | tuple | None:
+        """The page handle mapped at ``va``, ``(span handle, page index)`` for a span's page."""
         return self._mappings.get(va)
 
-    def check_mappings(self, expected: dict[int, int]) -> None:
-        """Raise ``AssertionError`` unless exactly ``expected`` (``va -> handle``) is mapped, every
-        mapping with access."""
+    def check_mappings(self, expected: dict[int, object]) -> None:
+        """Raise ``AssertionError`` unless exactly ``expected`` (``va -> handle``, or ``(span handle,
+        page index)``) is mapped, every mapping with access."""
         if self._no_access:
             raise AssertionError(f"{len(self._no_access)} mapped pages have no access set")
         if self._mappings != expected:
@@ -203,8 +239,8 @@ class CheckedDriver:
 
     @property
     def num_pages(self) -> int:
-        """Live (created, not released) page handles, guards aside."""
-        return len(self._page_map_count)
+        """Live (created, not released) pages, a span's counted each, guards aside."""
+        return len(self._page_map_count) + sum(self._span_pages.values()) - len(self._span_pages)
 
     @property
     def num_mappings(self) -> int:
@@ -231,10 +267,13 @@ class CheckedDriver:
         (idempotent)."""
         if self._closed:
             return
-        for va in list(self._mappings):
-            self.unmap(va)
+        for va, mapped in list(self._mappings.items()):
+            if not isinstance(mapped, tuple):
+                self.unmap(va)
+            elif mapped[1] == 0:
+                self.unmap(va, self._span_pages[mapped[0]])
         for handle in list(self._page_map_count):
-            self.release(handle)
+            self.release(handle, self._span_pages.get(handle, 1))
         for va, nbytes in list(self._reservations.items()):
             self.free_reservation(va, nbytes)
         self.inner.close()

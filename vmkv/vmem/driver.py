@@ -10,6 +10,8 @@ section 5 "CUDA virtual memory APIs"):
     drv.set_access(va, n * page)      # ... then grant access to a contiguous run of mapped pages at once
     t = drv.as_tensor(va, nbytes)     # zero-copy torch view over (mapped parts of) the range
     drv.map_guard(va)                 # a permanently backed page (see "Guard pages" below)
+    s = drv.create_page(num_pages=n)  # a span: one physical allocation of n pages ...
+    drv.map(va, s, num_pages=n)       # ... mapped whole at n adjacent pages (``unmap(va, num_pages=n)``)
 
 * :class:`CudaDriver` (``cuda_driver.py``): CUDA VMM through cuda-python (cuMemAddressReserve, cuMemCreate, cuMemMap,
   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree); page = allocation granularity (2 MiB).
@@ -23,7 +25,10 @@ once per run, which saves the per-call overhead only: cuMemSetAccess costs about
 for a run of 128 separately created pages, 33 us for one 128 MiB allocation;
 ``python -m vmkv.vmem.driver_bench``, ``docs/results/h200/issue12/driver_calls_71a21e3/``).  It is the
 largest part of mapping a page (cuMemCreate 11 us, cuMemMap 3 us, cuMemUnmap 18 us, cuMemRelease 13 us
-there).  The host driver mirrors the two steps: such a page is mapped ``PROT_NONE`` until
+there).  So a run of pages created as **one allocation** (a span, ``create_page(num_pages=n)``)
+costs one cuMemCreate, one cuMemMap and one cuMemSetAccess for the whole run (128 MiB: about 50 us in
+all, against 29 us per 2 MiB page created apart); a span is mapped, unmapped and released only whole
+(mapping part of an allocation is ``CUDA_ERROR_NOT_SUPPORTED``).  The host driver mirrors the two steps: such a page is mapped ``PROT_NONE`` until
 ``set_access`` (``mprotect``) makes it read/write.
 
 The drivers are thin: they keep the reservations (for tensors and teardown) and the guard pages,
@@ -78,7 +83,9 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
     :class:`~vmkv.vmem.checked_driver.CheckedDriver`): the host side of
     :class:`~vmkv.vmem.protocol.PageDriver` plus tensors over the reservations (:meth:`as_tensor`).
 
-    Page handles are opaque ints.  ``map``/``unmap`` work on exactly one page at ``va``.
+    Page handles are opaque ints.  ``map``/``unmap`` work on one page at ``va``, or on the
+    ``num_pages`` adjacent pages of a span (a handle from ``create_page(num_pages)``, always mapped
+    whole).
 
     Attributes:
         device: torch device of the tensors from :meth:`as_tensor`.
@@ -106,22 +113,26 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
     @abc.abstractmethod
     def _free_reservation(self, va: int, nbytes: int) -> None: ...
 
-    @abc.abstractmethod
-    def _create_page(self) -> int: ...
+    #: ``create_page(num_pages > 1)`` (spans) is implemented
+    supports_spans = True
 
     @abc.abstractmethod
-    def _release(self, handle: int) -> None: ...
+    def _create_page(self, num_pages: int = 1) -> int: ...
 
     @abc.abstractmethod
-    def _map(self, va: int, handle: int, set_access: bool) -> None:
-        """Map one page; grant read/write access to it too when ``set_access``."""
+    def _release(self, handle: int, num_pages: int = 1) -> None: ...
+
+    @abc.abstractmethod
+    def _map(self, va: int, handle: int, set_access: bool, num_pages: int = 1) -> None:
+        """Map one page (or the ``num_pages`` of a span, whole); grant read/write access to it too
+        when ``set_access``."""
 
     @abc.abstractmethod
     def _set_access(self, va: int, nbytes: int) -> None:
         """Grant read/write access to ``[va, va + nbytes)`` (all mapped, one reservation) in one call."""
 
     @abc.abstractmethod
-    def _unmap(self, va: int) -> None: ...
+    def _unmap(self, va: int, num_pages: int = 1) -> None: ...
 
     @abc.abstractmethod
     def _tensor(self, va: int, nbytes: int) -> torch.Tensor:
@@ -152,13 +163,16 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         self._free_reservation(va, nbytes)
         del self._reservations[va]
 
-    def create_page(self) -> int:
-        """Create one physical page; returns its handle."""
-        return self._create_page()
+    def create_page(self, num_pages: int = 1) -> int:
+        """Create one physical page, or a **span**: one allocation of ``num_pages`` pages (one
+        cuMemCreate of ``num_pages * page_size_bytes``), mapped, unmapped and released only whole.
+        Returns its handle.  Raises VMMError: the creation failed (out of memory: ``out_of_memory``)."""
+        return self._create_page() if num_pages == 1 else self._create_page(int(num_pages))
 
-    def release(self, handle: int) -> None:
-        """Release a page that is mapped nowhere (call ``unmap`` first)."""
-        self._release(handle)
+    def release(self, handle: int, num_pages: int = 1) -> None:
+        """Release a page (or a span of ``num_pages``, as created) that is mapped nowhere (call
+        ``unmap`` first)."""
+        self._release(handle) if num_pages == 1 else self._release(handle, int(num_pages))
 
     def _reservation_of(self, op: str, va: int, nbytes: int) -> int:
         for start, size in self._reservations.items():
@@ -166,8 +180,9 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
                 return start
         raise self._invalid(op, f"[{va:#x}, {va + nbytes:#x}) is not inside a reservation")
 
-    def map(self, va: int, handle: int, *, set_access: bool = True) -> None:
-        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``.
+    def map(self, va: int, handle: int, *, set_access: bool = True, num_pages: int = 1) -> None:
+        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``; a
+        span of ``num_pages`` (its creation's count) backs the ``num_pages`` pages from ``va``.
 
         Args:
             set_access: also make the page readable/writable (default).  ``False`` leaves it
@@ -176,11 +191,15 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         Raises:
             VMMError: the map (or access) call failed; nothing is mapped then.
         """
-        self._map(va, handle, bool(set_access))
+        if num_pages == 1:
+            self._map(va, handle, bool(set_access))
+        else:
+            self._map(va, handle, bool(set_access), int(num_pages))
 
-    def unmap(self, va: int) -> None:
-        """Remove the page mapped at ``va``; the range stays reserved (and inaccessible)."""
-        self._unmap(va)
+    def unmap(self, va: int, num_pages: int = 1) -> None:
+        """Remove the page (or the span of ``num_pages``) mapped at ``va``; the range stays reserved
+        (and inaccessible)."""
+        self._unmap(va) if num_pages == 1 else self._unmap(va, int(num_pages))
 
     def as_tensor(self, va: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Zero-copy 1-D tensor over ``[va, va + nbytes)`` inside one reservation.

@@ -30,7 +30,9 @@ read).  Idle pages up to the reserve, counted as the top-up counts them, are nev
 top-up and the shrink never undo each other's work.  A kept page is unmapped only when the fence of
 every slot it is mapped in has completed (checked without waiting: a page whose fence is pending
 waits for a later call), so no kernel can still read it; pages a live sequence claims, and sources of pending
-copy-on-write copies, are never candidates.
+copy-on-write copies, are never candidates.  A span (``page_pool.py``) goes only whole, so one can take
+the release past ``num_pages`` (by less than the span); the top-up then creates the reserve again as
+plain free pages.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ class ElasticMixin:
         pages (the reserve, while sequences are live; else 0).  Below ``keep_free`` (at the cap, or
         when creation is out of memory) an unmapped page refills the reserve instead of going, so a
         call unmaps or evicts at most ``num_pages`` plus the pages missing from the reserve when it
-        starts (the grows that follow would otherwise reclaim them on the critical path).  Returns
-        the number of pages released."""
+        starts (the grows that follow would otherwise reclaim them on the critical path); a span
+        is released whole, which can pass ``num_pages`` by less than the span.  Returns the number
+        of pages released."""
         released = 0
 
         def drain() -> None:
@@ -140,13 +143,20 @@ class ElasticMixin:
             if self._parked:
                 self.unpark_all()         # their pages become reclaimable, as at their vacate
             candidates = (self.table.reclaimable | self.pool.cached_pages()) - self._pending
+            spans = bool(self.pool.span_of)
             for page in self._eviction_order(candidates):
                 if released >= num_pages:
-                    break
+                    # a span cannot refill the plain free reserve as an unmapped page does: it goes,
+                    # up to the reserve's deficit more (the top-up that follows creates it back)
+                    if not spans or released >= num_pages + max(0, keep_free - self.pool.num_free):
+                        break
                 if self.pool.is_cached_free(page):
                     self.pool.evict(page)
                     self.num_prefix_evictions += 1
                 elif page in self.table.reclaimable and not self._fence_pending(page):
+                    span = self.pool.span_of.get(page)
+                    if span is not None and not self._span_idle(span):
+                        continue
                     if self.prefix.is_cached(page):
                         self._forget(page)
                         self.num_prefix_evictions += 1
@@ -155,6 +165,8 @@ class ElasticMixin:
                         slot = self.slots[s]
                         self._wait_slot(slot)     # done already: clears the fence
                         self._unmap(slot, unit, res)
+                    if span is not None:          # unmapped whole and released at once
+                        released += len(span)
                 else:
                     continue    # fence pending, or already plain free (an eviction above freed it)
                 drain()

@@ -141,6 +141,11 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         self.num_released_pages = 0
         self.num_topped_up_pages = 0     # pages created ahead of need (elastic.py, top_up_idle)
         self.num_reused_on_oom = 0       # page creations out of memory answered by idle pages
+        #: spans (page_pool.py): fresh runs of up to this many pages of one slot are created as one
+        #: allocation (1: every page its own; the cache sets it from ``max_span_bytes``)
+        self.max_span_pages = 1
+        self.num_span_copies = 0         # pages copied because a span's page cannot be shared
+        self.num_released_span_pages = 0
 
     # ------------------------------------------------------------------ primitives
     def va(self, res: int, slot: int, unit: int) -> int:
@@ -213,19 +218,27 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
                 f"slot {slot.index} unit {unit} res {res} is mapped"
             targets.append((res, bases[res] + row + unit * page_bytes))
         drv = self.driver
-        done: list[int] = []
+        span_of = self.pool.span_of
+        if span_of:
+            self._check_spans_whole(items)
+        done: list[tuple[int, int]] = []      # (va, pages) mapped by this batch
         t0 = time.perf_counter_ns()
         try:
             for (_, va), (_, _, page) in zip(targets, items):
-                drv.map(va, page, set_access=False)
-                done.append(va)
+                span = span_of.get(page) if span_of else None
+                if span is None:
+                    drv.map(va, page, set_access=False)
+                    done.append((va, 1))
+                elif page == span.pages[0]:     # a span is mapped whole from its first page
+                    drv.map(va, span.handle, set_access=False, num_pages=len(span))
+                    done.append((va, len(span)))
             for va, nbytes in self._access_runs(targets):
                 self.num_set_access_calls += 1
                 drv.set_access(va, nbytes)
         except BaseException:
-            for va in reversed(done):
+            for va, n in reversed(done):
                 try:
-                    drv.unmap(va)
+                    drv.unmap(va) if n == 1 else drv.unmap(va, num_pages=n)
                 except Exception:  # noqa: BLE001 - keep the original error; the driver state is logged
                     logger.exception("unmapping %#x after a failed map batch failed", va)
             raise
@@ -250,10 +263,30 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
             self.free_slots.move(slot.index, len(units))     # a no-op unless the slot is free
         self.table.add_mappings(items, slot.index, 0 if slot.seq_id is None else slot.claimed, self._tick)
 
+    def _check_spans_whole(self, items: Sequence[tuple[int, int, int]]) -> None:
+        """Internal invariant: every span among ``items`` is there whole, its pages at consecutive
+        units of one reservation in span order, and mapped nowhere yet (a span is mapped once)."""
+        span_of, seen = self.pool.span_of, {}
+        for unit, res, page in items:
+            span = span_of.get(page)
+            if span is not None:
+                seen.setdefault(id(span), (span, []))[1].append((unit, res, page))
+        for span, got in seen.values():
+            u0, r0, _ = min(got)
+            want = [(u0 + i, r0, p) for i, p in enumerate(span.pages)]
+            assert sorted(got) == want, f"span {span.pages} mapped as {sorted(got)}, not whole in order"
+            assert not self.table.refcount(span.pages[0]), f"span {span.pages} is mapped already"
+
     def _unmap(self, slot: Slot, unit: int, res: int) -> int:
+        """Unmap the page at ``(unit, res)`` of ``slot`` (a span's page: the whole span, see
+        :meth:`_unmap_span`); returns the page."""
         pages = slot.units[unit]
         page = pages[res]
         assert page is not None, f"slot {slot.index} unit {unit} res {res} is not mapped"
+        span_of = self.pool.span_of
+        if span_of and page in span_of:
+            self._unmap_span(slot, span_of[page])
+            return page
         t0 = time.perf_counter_ns()
         self.driver.unmap(self.va(res, slot.index, unit))
         self.unmap_us.append((time.perf_counter_ns() - t0) / 1e3)
@@ -273,6 +306,94 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         if self.table.remove_mapping(page, slot.index, self._is_claimed(slot, unit)) == 0:
             self.pool.unmapped(page)          # back to the pool: cached free if it has an entry
         return page
+
+    def _unmap_span(self, slot: Slot, span) -> None:
+        """Unmap every page of ``span`` (mapped in ``slot`` only, at consecutive units) in one call and
+        release it to the driver (a span lives as long as its mapping: ``page_pool.py``).  The
+        caller made sure no kernel still reads it (fence) and that it may go (its claims are
+        given up with it)."""
+        res, u0 = self.table.position(span.pages[0])
+        n = len(span)
+        t0 = time.perf_counter_ns()
+        self.driver.unmap(self.va(res, slot.index, u0), num_pages=n)
+        self.unmap_us.extend([(time.perf_counter_ns() - t0) / 1e3 / n] * n)
+        self.num_unmaps += n
+        units = slot.units
+        for i, page in enumerate(span.pages):
+            u = u0 + i
+            pages = units[u]
+            assert pages[res] == page, f"span page {page} is not at unit {u} of slot {slot.index}"
+            pages[res] = None
+            if all(p is None for p in pages):
+                del units[u]
+            self.table.remove_mapping(page, slot.index, self._is_claimed(slot, u))
+        slot.num_mapped -= n
+        slot.mapped_to = min(slot.mapped_to, u0)
+        end = slot.units_end
+        while end and end - 1 not in units:
+            end -= 1
+        slot.units_end = end
+        self.free_slots.move(slot.index, len(units))
+        self.pool.release_span(span)
+        self.num_released_span_pages += n
+
+    def _claim_plan(self, slot: Slot, end: int, hits: Sequence[Sequence[int]] = ()) -> tuple[int, frozenset]:
+        """Where a claim of units ``[.., end)`` of ``slot`` really ends, and which of the slot's kept
+        spans it unmaps, so that a span is always claimed whole or not at all (it is unmapped only
+        whole: ``page_pool.py``, "Spans").  A kept span that units ``[0, end)`` reach into is claimed
+        on to its end while the pool has that many plain available pages to spare (its pages are
+        held anyway, and the sequence grows into them); otherwise, and when a prefix hit replaces
+        one of its pages (``hits``: an occupant's hit pages per unit), it is unmapped and released,
+        and its units below ``end`` get fresh pages.  Without spans: ``(end, frozenset())``.
+
+        Returns:
+            ``(end, pages of the spans to unmap)``.
+        """
+        span_of = self.pool.span_of
+        if not span_of or end <= 0:
+            return end, frozenset()
+        doomed = self._replaced_spans(slot, hits) if hits else set()
+        room = self.pool.num_plain_available
+        get, position = slot.units.get, self.table.position
+        while True:
+            new = end
+            for p in get(end - 1, ()):
+                span = span_of.get(p) if p is not None else None
+                if span is None or p in doomed:
+                    continue
+                res, u0 = position(span.pages[0])
+                tail = u0 + len(span) - end
+                if tail <= 0 or self._is_claimed(slot, u0):     # a live claim holds it whole already
+                    continue
+                if tail <= room:
+                    room -= tail
+                    new = max(new, end + tail)
+                else:
+                    doomed.update(span.pages)
+            if new == end:
+                return end, frozenset(doomed)
+            end = new
+
+    def _replaced_spans(self, slot: Slot, hits: Sequence[Sequence[int]]) -> set[int]:
+        """The pages of ``slot``'s kept spans of which a prefix hit of a new occupant replaces a page
+        (the whole span is unmapped, so its units past the hits become holes)."""
+        span_of = self.pool.span_of
+        doomed: set[int] = set()
+        get = slot.units.get
+        for u, want in enumerate(hits):
+            for r, cur in enumerate(get(u, ())):
+                if cur is not None and cur not in doomed and cur in span_of and cur != want[r]:
+                    doomed.update(span_of[cur].pages)
+        return doomed
+
+    def _unmap_spans(self, slot: Slot, pages: Iterable[int]) -> None:
+        """Unmap (after the slot's fence) and release the spans of ``pages`` still mapped in ``slot``."""
+        span_of = self.pool.span_of
+        for p in sorted(pages):
+            span = span_of.get(p)
+            if span is not None and p == span.pages[0] and slot.index in self.table.slots_of(p):
+                self._wait_slot(slot)
+                self._unmap_span(slot, span)
 
     def _set_claimed(self, slot: Slot, claimed: int) -> None:
         """Move ``slot.claimed``, updating the live counts of the pages entering or leaving."""
@@ -345,7 +466,22 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
                 return (True, self.table.last_use[p], -entry.depth, p)
             mapped = entries.get(p)
             return (False, self.table.last_use[p], -mapped.pos[1] if mapped is not None else 0, p)
-        return sorted(candidates, key=key)
+        span_of = self.pool.span_of
+        if not span_of:
+            return sorted(candidates, key=key)
+        # a span goes whole: it takes the place of its last page to go (a cached unit in it is
+        # evicted no sooner than it would be alone)
+        span_key: dict[int, tuple] = {}
+
+        def whole(p: int):
+            span = span_of.get(p)
+            if span is None:
+                return key(p)
+            k = span_key.get(id(span))
+            if k is None:
+                k = span_key[id(span)] = max(key(q) for q in span.pages)
+            return k
+        return sorted(candidates, key=whole)
 
     def reclaim(self, num_pages: int, exclude: frozenset = frozenset(), wait: bool = True) -> int:
         """Make ``num_pages`` more pool pages plain available: unmap reclaimable kept pages without
@@ -367,6 +503,9 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
             elif page in self.table.reclaimable:
                 if not wait and self._fence_pending(page):
                     continue
+                span = self.pool.span_of.get(page)
+                if span is not None and not self._span_idle(span, exclude):
+                    continue
                 if self.prefix.is_cached(page):
                     self._forget(page)
                     evicted += 1
@@ -375,13 +514,20 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
                     slot = self.slots[s]
                     self._wait_slot(slot)
                     self._unmap(slot, unit, res)
-                reclaimed += 1
+                reclaimed += 1 if span is None else len(span)
             # else: an eviction above dropped its entry and made it plain free already
         self.num_reclaimed_pages += reclaimed
         self.num_prefix_evictions += evicted
         if reclaimed or evicted:
             logger.debug("reclaimed %d kept pages, evicted %d cached prefix units", reclaimed, evicted)
         return self.pool.num_plain_available - start
+
+    def _span_idle(self, span, exclude: frozenset = frozenset()) -> bool:
+        """May ``span`` be unmapped and released now: none of its pages claimed, excluded or the
+        source of a pending copy?  (Claims cover a span whole, :meth:`_claim_plan`; this is the
+        check that keeps it so.)"""
+        reclaimable = self.table.reclaimable
+        return all(p in reclaimable and p not in exclude and p not in self._pending for p in span.pages)
 
     def _ensure_pool(self, num_pages: int, exclude: frozenset = frozenset()) -> None:
         short = num_pages - self.pool.num_plain_available

@@ -56,6 +56,11 @@ class MapperCheckMixin:
             "num_parked_pages": self.num_parked_pages,
             "num_parks": self.num_parks,
             "num_adoptions": self.num_adoptions,
+            "max_span_pages": self.max_span_pages,
+            "num_spans_created": self.pool.num_spans_created,
+            "num_span_pages": len(self.pool.span_of),
+            "num_released_span_pages": self.num_released_span_pages,
+            "num_span_copies": self.num_span_copies,
         }
 
     def check_integrity(self) -> None:
@@ -99,12 +104,15 @@ class MapperCheckMixin:
                         raise AssertionError(f"page {p} mapped at (reservation, unit) {pos} and {(r, u)}")
                     slots.add(slot.index)
                     walk[p] = (pos, slots, claimed + (self._is_claimed(slot, u) or (parked and u < slot.claimed)))
-                    expected_va[self.va(r, slot.index, u)] = p
+                    span = self.pool.span_of.get(p)
+                    expected_va[self.va(r, slot.index, u)] = (
+                        p if span is None else (span.handle, span.pages.index(p)))
         self.free_slots.check({s.index: len(s.units) for s in self.slots if s.is_free})
         if parked_pages != self.num_parked_pages:
             raise AssertionError(f"parked slots hold {parked_pages} claimed pages, the count says "
                                  f"{self.num_parked_pages}")
         self.table.check_against(walk)
+        self._check_spans(walk)
         check_driver = getattr(self.driver, "check_mappings", None)
         if check_driver is not None:
             check_driver(expected_va)
@@ -129,6 +137,29 @@ class MapperCheckMixin:
             raise AssertionError(f"the driver holds {num_driver_pages} pages, the pool created "
                                  f"{self.pool.num_created} (a page released twice or never)")
         self.prefix.check_integrity()
+
+    def _check_spans(self, walk: dict) -> None:
+        """Every span is mapped whole in one slot at consecutive units of one reservation, and
+        claimed whole or not at all (``page_pool.py``, "Spans"; :meth:`SlotMapper._claim_plan`)."""
+        seen: set[int] = set()
+        for p, span in self.pool.span_of.items():
+            if id(span) in seen:
+                continue
+            seen.add(id(span))
+            got = [walk.get(q) for q in span.pages]
+            if any(g is None for g in got):
+                raise AssertionError(f"span {span.pages} is in use but not mapped whole")
+            (r0, u0), slots, _ = got[0]
+            if len(slots) != 1:
+                raise AssertionError(f"span {span.pages} is mapped in slots {sorted(slots)}")
+            for i, ((r, u), ss, _) in enumerate(got):
+                if (r, u) != (r0, u0 + i) or ss != slots:
+                    raise AssertionError(f"span {span.pages}: page {i} at {(r, u)} in {sorted(ss)}, "
+                                         f"expected {(r0, u0 + i)} in {sorted(slots)}")
+            claimed = {bool(c) for *_, c in got}
+            if len(claimed) > 1:
+                raise AssertionError(f"span {span.pages} in slot {min(slots)} is claimed in part "
+                                     f"(units {u0}..{u0 + len(span) - 1})")
 
     def close(self) -> None:
         """Unmap everything (after all queued work), release the pages and the reservations."""

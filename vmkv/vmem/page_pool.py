@@ -13,6 +13,14 @@ driver) and goes back to one of two free tiers, as the paged block pool does:
 * **cached free**: it still holds a unit cached in the prefix index, so a later request with that
   prefix can map it again (:meth:`revive`).  Evicted (:meth:`evict`, entry dropped) only when no
   plain page is left; the mapper picks the least recently used one.
+
+**Spans** (:meth:`create_span`): ``n`` pages created as one physical allocation (one ``cuMemCreate``
+of ``n`` pages, so mapping them costs one ``cuMemMap`` and one ``cuMemSetAccess`` instead of ``n`` of
+each: ``driver.py``).  Each page of a span has its own id (negative, never a driver handle), entry,
+claims and prefix entry, but the driver maps, unmaps and releases a span only whole, so a span lives
+exactly as long as its one mapping: it is created for a run of fresh pages of one slot, mapped once,
+and released (:meth:`release_span`) when the mapper unmaps it.  A span's pages are never mapped in a
+second slot (never shared) and never sit on a free tier.
 """
 
 from __future__ import annotations
@@ -22,7 +30,24 @@ from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.vmem.page_table import PageTable
 from vmkv.vmem.protocol import VMMError
 
-__all__ = ["PagePool", "PagePoolExhaustedError", "creation_out_of_memory", "out_of_memory_is_full"]
+__all__ = ["PagePool", "PagePoolExhaustedError", "Span", "creation_out_of_memory", "out_of_memory_is_full"]
+
+
+class Span:
+    """Pages created as one physical allocation (module docstring, "Spans").
+
+    Attributes:
+        handle: the driver's handle of the allocation (``create_page(num_pages=len(pages))``).
+        pages: the page ids, in the order they are mapped (consecutive units of one reservation).
+    """
+
+    __slots__ = ("handle", "pages")
+
+    def __init__(self, handle: int, pages: tuple[int, ...]) -> None:
+        self.handle, self.pages = handle, pages
+
+    def __len__(self) -> int:
+        return len(self.pages)
 
 
 class PagePoolExhaustedError(RuntimeError):
@@ -75,6 +100,9 @@ class PagePool:
         self._free: list[int] = []
         self._cached: set[int] = set()         # cached free pages (refcount 0, content kept)
         self.table = PageTable()               # pages in use: acquired (not yet mapped) or mapped
+        self.span_of: dict[int, Span] = {}     # page of a span -> its span (module docstring)
+        self._next_span_page = -1              # span pages get ids -1, -2, ... (never reused)
+        self.num_spans_created = 0
         self._num_created = 0
         if preallocate:
             for _ in range(self.max_pages):
@@ -163,6 +191,65 @@ class PagePool:
             created += 1
         return created
 
+    def create_span(self, num_pages: int) -> list[int]:
+        """Create ``num_pages`` (>= 2) pages as one physical allocation (a :class:`Span`), within
+        ``max_pages``; they are in use and mapped nowhere, and the caller maps them whole at
+        consecutive units of one slot's reservation (or gives them back, :meth:`give_back_many`).
+
+        Returns:
+            The span's page ids, in mapping order.
+        Raises:
+            PagePoolExhaustedError: fewer than ``num_pages`` pages left to create under the cap.
+            VMMError: the creation failed (out of memory: :func:`creation_out_of_memory`).
+        """
+        n = int(num_pages)
+        if n < 2:
+            raise ValueError(f"a span has at least 2 pages, got {num_pages}")
+        if self._num_created + n > self.max_pages:
+            raise PagePoolExhaustedError(f"a span of {n} pages exceeds the cap: {self._num_created} of "
+                                         f"{self.max_pages} pages created")
+        handle = self.driver.create_page(num_pages=n)
+        start = self._next_span_page
+        pages = tuple(range(start, start - n, -1))
+        self._next_span_page = start - n
+        span = Span(handle, pages)
+        for p in pages:
+            self.span_of[p] = span
+        self.table.add_many(pages)
+        self._num_created += n
+        self.num_spans_created += 1
+        return list(pages)
+
+    def release_span(self, span: Span) -> None:
+        """Release ``span`` to the driver: every page of it is in use and mapped nowhere (the mapper
+        unmapped it whole, after its fence).  Prefix entries of its pages (and their descendants)
+        are dropped: a later lookup misses, never reads a stale page.
+
+        Raises:
+            VMMError: the driver's release failed (nothing changed).
+        """
+        for p in span.pages:
+            if self.table.refcount(p) or p not in self.table:
+                raise ValueError(f"span page {p} is mapped or not in use")
+        self.driver.release(span.handle, num_pages=len(span))
+        for p in span.pages:
+            if self.prefix.is_cached(p):
+                self.forget(p)
+            self.table.remove(p)
+            self.table.last_use.pop(p, None)
+            del self.span_of[p]
+        self._num_created -= len(span)
+
+    def give_back_many(self, pages) -> None:
+        """:meth:`give_back` of each of ``pages`` (acquired or revived, never mapped); a span among
+        them (all its pages) is released."""
+        for p in pages:
+            span = self.span_of.get(p)
+            if span is None:
+                self.give_back(p)
+            elif p == span.pages[0]:
+                self.release_span(span)
+
     def revive(self, page: int) -> None:
         """Take cached free ``page`` to map it again (count 0, like :meth:`acquire`)."""
         if page not in self._cached:
@@ -171,14 +258,17 @@ class PagePool:
         self.table.add(page)
 
     def give_back(self, page: int) -> None:
-        """Return an acquired (or revived) page that was never mapped."""
+        """Return an acquired (or revived) page that was never mapped (a span's: :meth:`give_back_many`)."""
+        if page in self.span_of:
+            raise ValueError(f"page {page} belongs to a span: give the span back whole (give_back_many)")
         if page not in self.table or self.table.refcount(page):
             raise ValueError(f"page {page} is not an acquired, unmapped page")
         self.unmapped(page)
 
     def unmapped(self, page: int) -> None:
         """``page``'s last mapping is gone: it becomes cached free (it holds a prefix-cache unit) or
-        plain free."""
+        plain free (a span's pages go back whole: :meth:`release_span`)."""
+        assert page not in self.span_of, f"page {page} belongs to a span (released whole)"
         self.table.remove(page)
         self._release_to_tier(page)
 
@@ -246,6 +336,17 @@ class PagePool:
         if len(free) + len(self._cached) + len(in_use) != self._num_created:
             raise AssertionError(f"plain free {len(free)} + cached free {len(self._cached)} + in use "
                                  f"{len(in_use)} != created {self._num_created}")
+        spans = {id(s): s for s in self.span_of.values()}
+        if sum(len(s) for s in spans.values()) != len(self.span_of):
+            raise AssertionError(f"{len(self.span_of)} span pages, the spans hold "
+                                 f"{sum(len(s) for s in spans.values())}")
+        for span in spans.values():
+            if any(self.span_of.get(p) is not span for p in span.pages):
+                raise AssertionError(f"span {span.handle}: its pages {span.pages} do not all name it")
+        if (free | self._cached) & self.span_of.keys():
+            raise AssertionError(f"span pages on a free tier: {sorted((free | self._cached) & self.span_of.keys())}")
+        if self.span_of.keys() - in_use:
+            raise AssertionError(f"span pages not in use: {sorted(self.span_of.keys() - in_use)}")
         hashed = self.prefix.handles()
         if self._cached - hashed:
             raise AssertionError(f"cached free pages {sorted(self._cached - hashed)} have no prefix entry")

@@ -15,6 +15,21 @@ if TYPE_CHECKING:
 __all__ = ["SlotOpsMixin"]
 
 
+def _runs(holes: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``holes`` (``(unit, res)``) split into maximal runs of consecutive units of one reservation,
+    each in unit order (the runs a span can back)."""
+    runs: list[list[tuple[int, int]]] = []
+    last: dict[int, list] = {}
+    for u, r in sorted(holes, key=lambda h: (h[1], h[0])):
+        run = last.get(r)
+        if run is not None and run[-1][0] + 1 == u:
+            run.append((u, r))
+        else:
+            run = last[r] = [(u, r)]
+            runs.append(run)
+    return runs
+
+
 class SlotOpsMixin:
     """Needs the primitives of :class:`~vmkv.vmem.mapper.SlotMapper`."""
 
@@ -29,6 +44,12 @@ class SlotOpsMixin:
         get, entries, is_cached = slot.units.get, self.table.entries, self.prefix.is_cached
         cached = [(u, r, p) for u in units for r, p in enumerate(get(u, ()))
                   if p is not None and is_cached(p) and len(entries[p].slots) == 1]
+        if self.pool.span_of and cached:    # a span's page cannot leave alone: overwritten in place
+            for *_, p in cached:
+                if p in self.pool.span_of and is_cached(p):
+                    self._forget(p)
+                    self.num_prefix_evictions += 1
+            cached = [c for c in cached if c[2] not in self.pool.span_of]
         if not cached:
             return
         staying = {p for u in units for p in slot.units.get(u, ()) if p is not None}
@@ -50,11 +71,14 @@ class SlotOpsMixin:
                 self._wait_slot(slot)
                 self._unmap(slot, u, r)
 
-    def _fill_holes(self, slot: Slot, units: Iterable[int], given=None, reuse: bool = True) -> int:
+    def _fill_holes(self, slot: Slot, units: Iterable[int], given=None, reuse: bool = True,
+                    protect: frozenset = frozenset()) -> int:
         """Map every hole of ``units`` of ``slot`` in one batch: ``given(unit, res)`` (a prefix-hit or
-        parent page, mapped or cached free) where it returns a page, else a fresh pool page
-        (reclaiming kept pages, never a given one, if the pool is short or, with ``reuse``, if
-        page creation runs out of memory).  Returns the number of pages mapped."""
+        parent page, mapped or cached free) where it returns a page, else a fresh page (reclaiming
+        kept pages, never a given one or one in ``protect``, if the pool is short or, with
+        ``reuse``, if page creation runs out of memory).  Fresh pages at consecutive units of one
+        reservation come as spans where :attr:`max_span_pages` allows (:meth:`_fresh_pages`).
+        Returns the number of pages mapped."""
         get, res = slot.units.get, range(self.num_res)
         holes = [(u, r) for u in units if (pages := get(u)) is None or None in pages
                  for r in res if pages is None or pages[r] is None]
@@ -62,7 +86,7 @@ class SlotOpsMixin:
             return 0
         if given is None:
             items: list = [(u, r, None) for u, r in holes]
-            num_fresh, acquired, exclude = len(items), [], frozenset()
+            num_fresh, acquired, exclude = len(items), [], protect
         else:
             items = [(u, r, given(u, r)) for u, r in holes]
             num_fresh = sum(1 for *_, p in items if p is None)
@@ -70,35 +94,89 @@ class SlotOpsMixin:
             acquired = [p for *_, p in items if p is not None and self.pool.is_cached_free(p)]
             for p in acquired:
                 self.pool.revive(p)
-            exclude = frozenset(p for *_, p in items if p is not None)
+            exclude = frozenset(p for *_, p in items if p is not None) | protect
         try:
             if num_fresh:
                 self._ensure_pool(num_fresh, exclude)
-                fresh = self.pool.take_free(num_fresh)      # plain free pages first, in one go
-                acquired += fresh
-                while len(fresh) < num_fresh:               # then created (or reused on out of memory)
-                    p = self._acquire(exclude, num_fresh - len(fresh)) if reuse else self.pool.acquire()
-                    fresh.append(p)
-                    acquired.append(p)
-                fresh_pages = iter(fresh)
-                items = [(u, r, next(fresh_pages) if p is None else p) for u, r, p in items]
+                fresh = self._fresh_pages([(u, r) for u, r, p in items if p is None], exclude, reuse,
+                                          acquired)
+                items = [(u, r, fresh.pop((u, r)) if p is None else p) for u, r, p in items]
             self._map_batch(slot, items)
         except BaseException:
-            for p in acquired:
-                self.pool.give_back(p)
+            self.pool.give_back_many(acquired)
             raise
         return len(items)
 
+    def _fresh_pages(self, holes: Sequence[tuple[int, int]], exclude: frozenset, reuse: bool,
+                     acquired: list) -> dict:
+        """A fresh page for each ``(unit, res)`` of ``holes`` (the pool holds enough plain available
+        pages: :meth:`_ensure_pool`), appended to ``acquired`` as they are taken.  Runs of holes at
+        consecutive units of one reservation get spans of up to :attr:`max_span_pages` while the
+        cap leaves room to create them (one cuMemCreate, later one cuMemMap and one cuMemSetAccess
+        per span); a span creation out of memory ends the spans quietly.  The rest: plain free
+        pages first, in one go, then created (or, with ``reuse``, idle pages on out of memory)."""
+        out: dict = {}
+        pool = self.pool
+        if self.max_span_pages > 1 and len(holes) > 1:
+            for run in _runs(holes):
+                while len(run) > 1:
+                    n = min(len(run), self.max_span_pages, pool.max_pages - pool.num_created)
+                    if n < 2:
+                        break
+                    try:
+                        pages = pool.create_span(n)
+                    except VMMError as e:
+                        if not creation_out_of_memory(self.driver, e):
+                            raise
+                        run = []
+                        break
+                    acquired += pages
+                    out.update(zip(run[:n], pages))
+                    run = run[n:]
+        rest = [h for h in holes if h not in out]
+        fresh = pool.take_free(len(rest))
+        acquired += fresh
+        while len(fresh) < len(rest):
+            p = self._acquire(exclude, len(rest) - len(fresh)) if reuse else pool.acquire()
+            fresh.append(p)
+            acquired.append(p)
+        out.update(zip(rest, fresh))
+        return out
+
     # ------------------------------------------------------------------ occupy (allocate)
+    def _copied_hits(self, slot: Slot, hits: Sequence[Sequence[int]]) -> tuple[list, frozenset]:
+        """The prefix hits of an admission into ``slot`` that are pages of a span mapped in another
+        slot: they cannot be mapped here (a span is mapped once), so their bytes are copied into
+        fresh pages instead.  Returns ``([(unit, res, page)], the pages of their spans)`` (those
+        spans stay mapped until the copies are made)."""
+        span_of = self.pool.span_of
+        if not span_of or not hits:
+            return [], frozenset()
+        copies, spans = [], {}
+        for u, pages in enumerate(hits):
+            for r, p in enumerate(pages):
+                span = span_of.get(p)
+                if span is not None and slot.index not in self.table.slots_of(p):
+                    copies.append((u, r, p))
+                    spans[id(span)] = span
+        return copies, frozenset(p for span in spans.values() for p in span.pages)
+
     def plan_occupy(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`occupy`."""
+        num_units, doomed = self._claim_plan(slot, num_units, hits)
         if not hits and self.unshared(slot):    # every kept page below num_units is reused in place
             kept = self.mapped_below(slot, num_units)
+            if doomed:
+                kept -= sum(1 for u in range(num_units) for p in slot.units.get(u, ()) if p in doomed)
             return num_units * self.num_res - kept, self.available_pages() - kept
         reclaimable, is_cached_free = self.table.reclaimable, self.pool.is_cached_free
+        copies, protected = self._copied_hits(slot, hits)
+        copied = {p for *_, p in copies}
         leaving = {hit for u in range(min(len(hits), num_units)) for hit in hits[u]
-                   if hit in reclaimable or is_cached_free(hit)}      # hits that become claimed
-        fresh = kept = 0
+                   if (hit in reclaimable or is_cached_free(hit)) and hit not in copied}  # become claimed
+        leaving |= protected & reclaimable      # copy sources: never reclaimed meanwhile
+        fresh = len(copies)
+        kept = 0
         get, entries = slot.units.get, self.table.entries
         for u in range(len(hits), num_units):
             pages = get(u)
@@ -106,20 +184,32 @@ class SlotOpsMixin:
                 fresh += self.num_res
                 continue
             for p in pages:
-                if p is None or len(entries[p].slots) > 1:
-                    fresh += 1                      # a hole, or a shared kept page to replace
+                if p is None or len(entries[p].slots) > 1 or p in doomed:
+                    fresh += 1          # a hole, a shared kept page to replace, or a replaced span's
                 else:
                     kept += 1                       # kept page reused in place (one slot: no hit)
         return fresh, self.available_pages() - len(leaving) - kept
 
-    def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> None:
-        """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed: units
-        ``[0, len(hits))`` map the prefix-hit pages, the rest reuse the slot's kept unshared pages
-        without a prefix entry or get fresh ones (kept cached pages move out, see
-        :meth:`_move_out_cached`)."""
+    def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> list[tuple]:
+        """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed (and on to the end of
+        a kept span they reach into: :meth:`_claim_plan`): units ``[0, len(hits))`` map the
+        prefix-hit pages, the rest reuse the slot's kept unshared pages without a prefix entry or
+        get fresh ones (kept cached pages move out, see :meth:`_move_out_cached`).  A hit that is a
+        span's page in another slot gets a fresh page and a copy.
+
+        Returns:
+            The copies to make (:meth:`_copy_pairs`; empty without spans)."""
         assert slot.is_free, f"slot {slot.index} is live"
+        num_units, doomed = self._claim_plan(slot, num_units, hits)
+        copies, protected = self._copied_hits(slot, hits)
+        if copies:                          # span pages of other slots: copied, not mapped
+            hits = [list(pages) for pages in hits]
+            for u, r, _ in copies:
+                hits[u][r] = None
         self._set_occupant(slot, seq_id)
         self.adopt(slot, num_units)         # a parked slot's claims become this sequence's
+        if doomed:
+            self._unmap_spans(slot, doomed)
         # no hit, no page of the slot shared, none cached: every kept page stays, nothing moves out
         fast = not hits and self.unshared(slot)
         if not fast:
@@ -136,18 +226,34 @@ class SlotOpsMixin:
                                   frozenset(p for pages in hits for p in pages))
         self._set_claimed(slot, num_units)
         if fast and self.mapped_below(slot, num_units) == num_units * self.num_res:
-            return                          # a warm admission: the kept pages back it all, no hole
+            return []                       # a warm admission: the kept pages back it all, no hole
         try:
             # hit pages and fresh pages in one batch: adjacent units share one set_access
-            self._fill_holes(slot, range(num_units), lambda u, r: hits[u][r] if u < len(hits) else None)
+            self._fill_holes(slot, range(num_units), lambda u, r: hits[u][r] if u < len(hits) else None,
+                             protect=protected)
         except BaseException:
             self._set_claimed(slot, 0)      # the slot stays free; what got mapped is kept
             self._set_occupant(slot, None)
             raise
+        return self._copy_pairs(slot, copies)
+
+    def _copy_pairs(self, slot: Slot, copies: Sequence[tuple[int, int, int]]) -> list[tuple]:
+        """The copies of ``copies`` (``(unit, res, source page)``, each source a span's page mapped in
+        one other slot) into ``slot``'s pages at the same positions, in :meth:`make_writable`'s form
+        (the caller copies them, then calls :meth:`copied`)."""
+        pairs = []
+        for u, r, p in copies:
+            (s,) = self.table.slots_of(p)
+            src = self.slots[s]
+            pairs.append((self.va(r, s, u), self.va(r, slot.index, u), src, u))
+            self._pending.add(p)
+        self.num_span_copies += len(pairs)
+        return pairs
 
     # ------------------------------------------------------------------ grow (extend)
     def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`grow`."""
+        num_units, doomed = self._claim_plan(slot, num_units)
         fresh = leaving = 0
         get, entries = slot.units.get, self.table.entries
         for u in range(slot.claimed, num_units):
@@ -156,7 +262,7 @@ class SlotOpsMixin:
                 fresh += self.num_res
                 continue
             for p in pages:
-                if p is None or len(entries[p].slots) > 1:
+                if p is None or len(entries[p].slots) > 1 or p in doomed:
                     fresh += 1
                 else:
                     leaving += 1
@@ -165,10 +271,16 @@ class SlotOpsMixin:
             fresh += self.plan_writable(slot, cow_units, range(self.num_res))
         return fresh, self.available_pages() - leaving
 
-    def _claim_units(self, slot: Slot, old: int, end: int, reuse: bool = True) -> None:
+    def _claim_units(self, slot: Slot, old: int, end: int, reuse: bool = True,
+                     plan: tuple[int, frozenset] | None = None) -> None:
         """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped
         (after the slot's fence), kept cached pages move out (:meth:`_move_out_cached`), other kept
-        pages are reused, holes get fresh pages in one batch; on failure the claim is undone."""
+        pages are reused, holes get fresh pages in one batch; on failure the claim is undone.
+        ``end`` moves on to the end of a kept span it reaches into, or that span goes
+        (:meth:`_claim_plan`; ``plan``: its result, taken before the caller changed the pool)."""
+        end, doomed = self._claim_plan(slot, end) if plan is None else plan
+        if doomed:
+            self._unmap_spans(slot, doomed)
         get, entries = slot.units.get, self.table.entries
         for u in range(old, end):
             for r, cur in enumerate(get(u, ())):
@@ -189,6 +301,10 @@ class SlotOpsMixin:
         shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
         row are copied, others just replaced).  Returns the copies to make (:meth:`make_writable`)."""
         old = slot.claimed
+        num_units, doomed = self._claim_plan(slot, num_units)   # before the copies' pages leave the pool
+        if doomed:                  # first: the copies may take their memory (plan_grow counts it so)
+            self._unmap_spans(slot, doomed)
+        plan = (num_units, frozenset())
         cow_units = [u for u in cow_units if u < old]
         fresh: list[int] = []
         if cow_units:       # the copies' pages first, all or none (a creation out of memory)
@@ -196,7 +312,7 @@ class SlotOpsMixin:
             fresh = self.acquire_for_cow([(slot, cow_units)], range(self.num_res), kept)
         try:
             if num_units > old:
-                self._claim_units(slot, old, num_units)
+                self._claim_units(slot, old, num_units, plan=plan)
             page_bytes = self.layout.page_size_bytes
             pairs = []
             for u in cow_units:
@@ -322,8 +438,12 @@ class SlotOpsMixin:
         return self.va(res, src.index, unit), self.va(res, slot.index, unit), src, unit
 
     # ------------------------------------------------------------------ fork, free, look-ahead
-    def share(self, child: Slot, parent: Slot, seq_id: int, num_units: int) -> None:
-        """Give free ``child`` to ``seq_id``, mapping the parent's pages of units ``[0, num_units)``."""
+    def share(self, child: Slot, parent: Slot, seq_id: int, num_units: int) -> list[tuple]:
+        """Give free ``child`` to ``seq_id``, mapping the parent's pages of units ``[0, num_units)``; a
+        page of a span gets a fresh page and a copy instead (:meth:`plan_share` counts them).
+
+        Returns:
+            The copies to make (:meth:`_copy_pairs`; empty without spans)."""
         assert child.is_free, f"slot {child.index} is live"
         self._set_occupant(child, seq_id)
         self.adopt(child, num_units)
@@ -334,12 +454,26 @@ class SlotOpsMixin:
                     self._wait_slot(child)
                     self._unmap(child, u, r)
         self._set_claimed(child, num_units)
+        span_of = self.pool.span_of
+        copies = [(u, r, p) for u in range(num_units) for r, p in enumerate(parent.units.get(u, ()))
+                  if p in span_of] if span_of else []
+        given = parent.page if not copies else (
+            lambda u, r: None if (p := parent.page(u, r)) in span_of else p)
         try:
-            self._fill_holes(child, range(num_units), parent.page)
+            self._fill_holes(child, range(num_units), given)
         except BaseException:
             self._set_claimed(child, 0)
             self._set_occupant(child, None)
             raise
+        return self._copy_pairs(child, copies)
+
+    def plan_share(self, parent: Slot, num_units: int) -> int:
+        """Fresh pages :meth:`share` needs: the parent's span pages among units ``[0, num_units)``
+        (copied, a span is mapped once; every other page is mapped in the child too)."""
+        span_of = self.pool.span_of
+        if not span_of:
+            return 0
+        return sum(1 for u in range(num_units) for p in parent.units.get(u, ()) if p in span_of)
 
     def vacate(self, slot: Slot) -> None:
         """Free a live slot; its pages stay mapped (kept) behind a fence recorded now, and its claims
@@ -386,6 +520,10 @@ class SlotOpsMixin:
             The number of pages mapped.
         """
         mapped = 0
+        copies, _ = self._copied_hits(slot, hits)
+        if copies:          # a span's page is copied at admission, not mapped: stop before it
+            num_units = min(num_units, min(u for u, *_ in copies))
+            hits = hits[:num_units]
         if hits:                          # a free slot: its prefix-hit pages first, where it has holes
             assert slot.is_free, f"slot {slot.index} is live"
             mapped = self._fill_holes(slot, range(len(hits)), given=lambda u, r: hits[u][r], reuse=False)

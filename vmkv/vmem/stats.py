@@ -148,7 +148,9 @@ class VMemStatsMixin:
         (while none is; :mod:`vmkv.vmem.elastic`), plain free pages are created (never beyond
         ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per call while sequences are live),
         so the next grows and admissions find created pages; a creation out of memory ends the
-        top-up quietly (``backend_stats()["num_topped_up_pages"]`` counts them).
+        top-up quietly (``backend_stats()["num_topped_up_pages"]`` counts them).  A span
+        (:mod:`vmkv.vmem.page_pool`) is released only whole, which can take the idle pages below
+        the reserve; the top-up runs again after the release and creates them back.
 
         Args:
             now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
@@ -171,6 +173,7 @@ class VMemStatsMixin:
             self._idle_window.released(released)
             if released:
                 logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
+                self._top_up()          # a span goes whole: what it took below the reserve comes back
         return released * self.layout.page_size_bytes
 
     def _top_up(self) -> int:

@@ -337,14 +337,23 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         self.pool.release_span(span)
         self.num_released_span_pages += n
 
-    def _claim_plan(self, slot: Slot, end: int, hits: Sequence[Sequence[int]] = ()) -> tuple[int, frozenset]:
+    def _claim_plan(self, slot: Slot, end: int, hits: Sequence[Sequence[int]] = (),
+                    grow: bool = False) -> tuple[int, frozenset]:
         """Where a claim of units ``[.., end)`` of ``slot`` really ends, and which of the slot's kept
         spans it unmaps, so that a span is always claimed whole or not at all (it is unmapped only
         whole: ``page_pool.py``, "Spans").  A kept span that units ``[0, end)`` reach into is claimed
-        on to its end while the pool has that many plain available pages to spare (its pages are
-        held anyway, and the sequence grows into them); otherwise, and when a prefix hit replaces
+        on to its end when that adds at most an eighth of ``end`` and the pool has that many plain
+        available pages to spare (its pages are held anyway, and the sequence grows into them);
+        otherwise, and when a prefix hit replaces
         one of its pages (``hits``: an occupant's hit pages per unit), it is unmapped and released,
         and its units below ``end`` get fresh pages.  Without spans: ``(end, frozenset())``.
+
+        ``grow`` (a live sequence's growth that needs fresh pages): the claim goes on by up to an
+        eighth of what the sequence claims (at most :attr:`max_span_pages` units, while the pool
+        has that many plain available pages to spare and the units are unmapped), so that a long
+        sequence's growth maps one span per many units instead of one page per unit (the
+        geometric growth of a dynamic array, bounded as vAttention maps ahead a whole page per
+        layer; the pages claimed ahead count as allocated, waste until written).
 
         Returns:
             ``(end, pages of the spans to unmap)``.
@@ -365,14 +374,20 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
                 tail = u0 + len(span) - end
                 if tail <= 0 or self._is_claimed(slot, u0):     # a live claim holds it whole already
                     continue
-                if tail <= room:
+                if tail <= room and 8 * tail <= end:
                     room -= tail
                     new = max(new, end + tail)
                 else:
                     doomed.update(span.pages)
             if new == end:
-                return end, frozenset(doomed)
+                break
             end = new
+        if grow and self.max_span_pages > 1 and slot.seq_id is not None:
+            ahead = min(self.max_span_pages, slot.claimed >> 3, self.layout.pages_per_slot - end)
+            if (ahead > 0 and end - 1 not in slot.units and ahead * self.num_res <= room
+                    and not any(u in slot.units for u in range(end, end + ahead))):
+                end += ahead
+        return end, frozenset(doomed)
 
     def _replaced_spans(self, slot: Slot, hits: Sequence[Sequence[int]]) -> set[int]:
         """The pages of ``slot``'s kept spans of which a prefix hit of a new occupant replaces a page

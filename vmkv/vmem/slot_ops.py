@@ -253,7 +253,7 @@ class SlotOpsMixin:
     # ------------------------------------------------------------------ grow (extend)
     def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`grow`."""
-        num_units, doomed = self._claim_plan(slot, num_units)
+        num_units, doomed = self._claim_plan(slot, num_units, grow=num_units > slot.claimed)
         fresh = leaving = 0
         get, entries = slot.units.get, self.table.entries
         for u in range(slot.claimed, num_units):
@@ -301,7 +301,8 @@ class SlotOpsMixin:
         shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
         row are copied, others just replaced).  Returns the copies to make (:meth:`make_writable`)."""
         old = slot.claimed
-        num_units, doomed = self._claim_plan(slot, num_units)   # before the copies' pages leave the pool
+        # before the copies' pages leave the pool (plan_grow's state)
+        num_units, doomed = self._claim_plan(slot, num_units, grow=num_units > slot.claimed)
         if doomed:                  # first: the copies may take their memory (plan_grow counts it so)
             self._unmap_spans(slot, doomed)
         plan = (num_units, frozenset())

@@ -1,5 +1,6 @@
 """vmem as an allocator peer (``vmkv.compare.alloc_peers``): the public ``create_kv_cache("vmem", ...)``
-interface, default options but the layout (and ``preallocate`` for ``vmem-prealloc``).
+interface, default options but the layout (and ``preallocate`` for ``vmem-prealloc``, the page size for
+``vmem-32MiB``, ``max_span_bytes`` for the ``vmem-span`` variants).
 
 Between steps the adapter makes the engine's calls: ``release_idle`` (which also keeps the page reserve
 created ahead of need), and, for ``vmem-prefetch``, first ``prefetch`` of every growing sequence's next
@@ -52,16 +53,20 @@ class VMemAdapter(AllocatorAdapter):
         prefetch_tokens: > 0: between steps, ``prefetch`` this many positions past every live sequence's
             length before ``release_idle`` (the engine's order), and before every admission
             ``prefetch_admission`` of its prompt length, both timed apart.
+        max_span_bytes: the vmem ``max_span_bytes`` (runs of fresh pages of one slot created and mapped
+            as one allocation of up to this many bytes); ``None``: one allocation per page.
     """
 
     def __init__(self, cfg: BenchConfig, layout: str, preallocate: bool = False,
-                 prefetch_tokens: int = 0, page_size_bytes: int | None = None) -> None:
+                 prefetch_tokens: int = 0, page_size_bytes: int | None = None,
+                 max_span_bytes: int | None = None) -> None:
         from vmkv.kvcache import backend_options_class, create_kv_cache
 
         page_size_bytes = page_size_bytes or cfg.vmem_page_size_bytes
         extra = ((", preallocate" if preallocate else "")
                  + (f", prefetch {prefetch_tokens}" if prefetch_tokens else "")
-                 + (f", {report.fmt_bytes(page_size_bytes)} pages" if page_size_bytes else ""))
+                 + (f", {report.fmt_bytes(page_size_bytes)} pages" if page_size_bytes else "")
+                 + (f", {report.fmt_bytes(max_span_bytes)} spans" if max_span_bytes else ""))
         self.name, self.spec = f"vmem ({layout}{extra})", cfg.spec()
         self.prefetch_tokens, self.prefetch_us = prefetch_tokens, []
         self.admit_prefetch_us: dict[str, list[float]] = {"trace": [], "warm": [], "cold": []}
@@ -72,6 +77,8 @@ class VMemAdapter(AllocatorAdapter):
             options["page_size_bytes"] = page_size_bytes
         if cfg.vmem_reserve_bytes is not None:
             options["kv_reserve_bytes"] = cfg.vmem_reserve_bytes
+        if max_span_bytes is not None:
+            options["max_span_bytes"] = max_span_bytes
         opts = backend_options_class("vmem")(**options)
         self.grace_s = opts.kv_shrink_grace_s
         self.cache = create_kv_cache("vmem", self.spec, max_num_seqs=cfg.max_num_seqs,
@@ -143,7 +150,9 @@ class VMemAdapter(AllocatorAdapter):
         s = self.cache.backend_stats()
         keys = ("layout", "driver", "page_size_bytes", "pages_per_unit", "kv_reserve_bytes", "num_maps",
                 "num_unmaps", "map_us_p50", "map_us_p99", "unmap_us_p50", "unmap_us_p99",
-                "num_pages_created", "num_released_pages", "num_topped_up_pages", "num_prefetched_pages")
+                "num_pages_created", "num_released_pages", "num_topped_up_pages", "num_prefetched_pages",
+                "max_span_pages", "num_spans_created", "num_span_pages", "num_released_span_pages",
+                "num_span_copies")
         prefetch = {"tokens": self.prefetch_tokens, **_summary_us(self.prefetch_us)}
         admit_prefetch = {k: _summary_us(v) for k, v in self.admit_prefetch_us.items()}
         # as the runner's admit_warm: the first warm admission follows the idle phase, so the warm figures

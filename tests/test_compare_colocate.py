@@ -32,8 +32,11 @@ def test_serve_command_passes_the_caps_and_the_elastic_options_only_to_vmem():
     assert cmd[cmd.index("--kv-reserve") + 1] == "128MiB"
     assert cmd[cmd.index("--kv-shrink-grace-s") + 1] == "1.5"
     assert cmd[cmd.index("--port") + 1] == "18500"
-    paged = colocate._serve_cmd(p.parse_args(["--backend", "paged"]), 18500, 1 << 30)
-    assert "--kv-reserve" not in paged and "--kv-shrink-grace-s" not in paged
+    assert "--max-span-bytes" not in cmd                # serve's default (no spans) unless asked
+    spans = colocate._serve_cmd(p.parse_args(["--max-span-bytes", "256MiB"]), 18500, 3 << 30)
+    assert spans[spans.index("--max-span-bytes") + 1] == "256MiB"
+    paged = colocate._serve_cmd(p.parse_args(["--backend", "paged", "--max-span-bytes", "256MiB"]), 18500, 1 << 30)
+    assert not {"--kv-reserve", "--kv-shrink-grace-s", "--max-span-bytes"} & set(paged)
     assert paged[paged.index("--backend") + 1] == "paged"
 
 
@@ -50,11 +53,13 @@ def test_the_serve_command_parses(monkeypatch):
     p = argparse.ArgumentParser()
     colocate.add_arguments(p)
     for backend in ("vmem", "paged"):
-        cmd = colocate._serve_cmd(p.parse_args(["--backend", backend]), 18500, 2 << 30)
+        args = p.parse_args(["--backend", backend, "--max-span-bytes", "256MiB"])
+        cmd = colocate._serve_cmd(args, 18500, 2 << 30)
         parser = argparse.ArgumentParser()
         server_cli.add_arguments(parser)
         ns = parser.parse_args(cmd[cmd.index("serve") + 1:])
         assert ns.backend == backend and ns.memory_bytes == 2 << 30
+        assert ns.max_span_bytes == (256 << 20 if backend == "vmem" else None)
 
 
 def test_compare_engine_names_the_kv_reserve_flag_as_typed():

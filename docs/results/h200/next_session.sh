@@ -18,6 +18,7 @@
 #   workload, --kv-shrink-grace-s inf beside the default, alternating): "shrinking costs no throughput".
 # PART=3 issue 12 allocator peers, run 5 (vmem's counting warm paths 99a6d9a and parked slots cd27a92:
 #   warm admission 0.12-0.19 ms at run 4 against vAttention's 0.018): issue12/alloc_peers/run4.sh.
+# PART=6 issue 12 spans: PART=1's offline workloads with --max-span-bytes 256MiB (paged beside vmem).
 # PART=4 issue 12 co-location long enough that a burst needs more KV than a static split gives (3 bursts
 #   of 192 prompts), both backends with client timings.
 set -u
@@ -57,6 +58,12 @@ case $PART in
   tar --exclude=./.peers --exclude=./.whl -cf - . | tar -xf - -C /tmp/pp/tree
   (cd /tmp/pp/tree && OUT=$O DEADLINE_S=150 BENCH_S=170 timeout 560 bash docs/results/h200/issue12/alloc_peers/run4.sh) > $O/run5.log 2>&1
   say "alloc_peers rc=$?"; tail -12 $O/run5.log
+  ;;
+6)  # issue 12 spans (max_span_bytes): the offline workload with spans on vmem, paged beside it
+  engine out256_span 220 --backends paged,vmem --output-len 256 --timeout-s 95 --async-scheduling --warmup-fill-budget \
+    --max-span-bytes 256MiB
+  engine out128_512_span 220 --backends vmem --output-len 128..512 --timeout-s 95 --async-scheduling --warmup-fill-budget \
+    --max-span-bytes 256MiB
   ;;
 5)  # the rest of PART=2's shrink alternation (off1 on1 off2 there): on2 off3 on3
   for N in on2 off3 on3; do

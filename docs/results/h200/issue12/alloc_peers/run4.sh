@@ -8,7 +8,7 @@
 set -u
 O=${OUT:-/tmp/out}; mkdir -p $O /tmp/o4
 ln -sfn ../paged vmkv/paged; ln -sfn ../kernels vmkv/kernels; ln -sfn ../compare vmkv/compare
-T="tests/test_vmem_cuda.py tests/test_vmem_elastic.py tests/test_vmem_pressure_cuda.py tests/test_vmem_topup.py tests/test_vmem_prefix_cuda.py tests/test_cuda_graphs.py"
+T=${TESTS:-"tests/test_vmem_cuda.py tests/test_vmem_elastic.py tests/test_vmem_pressure_cuda.py tests/test_vmem_topup.py tests/test_vmem_prefix_cuda.py tests/test_cuda_graphs.py"}
 { echo "# commit $(cat COMMIT)"; echo "\$ python3 -m pytest -q -p no:cacheprovider -rfEs $T"
   PYTHONPATH=$PWD timeout 170 python3 -m pytest -q -p no:cacheprovider -rfEs $T 2>&1 | tail -12; } > /tmp/o4/pytest_gpu.log 2>&1 &
 OUT=/tmp/o4 ORDER=${ORDER:-vmem,vmem-prefetch,vattention,kvcached,vmem-prefetch,vmem} DEADLINE_S=${DEADLINE_S:-150} \

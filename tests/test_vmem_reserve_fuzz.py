@@ -179,9 +179,14 @@ def _run(seed: int, layout: str, grace: float, steps: int, span_pages: int | Non
         idle, free, created = m.num_idle_pages(), m.pool.num_free, m.pool.num_created
         at_cap = created == m.pool.max_pages
         assert idle <= reserve or at_cap, (idle, free, created, reserve)
-        if len(cache.seqs):
-            assert free == reserve or (at_cap and free <= reserve), (idle, free, created, reserve)
-            assert idle == free or at_cap
+        if len(cache.seqs):     # plain free pages, and with ready spans (megacache spans) some of those
+            singles, spans = m.reserve_split(reserve)
+            ready = m.pool.num_ready_span_pages
+            # a ready span that does not fit under the cap any more is not made (its pages stay idle)
+            no_room = m.pool.num_ready_spans < spans and created + m.pool.ready_span_pages > m.pool.max_pages
+            assert (free, m.pool.num_ready_spans) == (singles, spans) or (at_cap and free <= singles) \
+                or (no_room and free == singles), (idle, free, ready, created, reserve)
+            assert idle == free + ready or at_cap or no_room
         else:
             assert idle == reserve or at_cap, (idle, free, created, reserve)
         # and it stays there: no creation, no release

@@ -155,25 +155,45 @@ def test_fork_that_cannot_copy_is_refused_unchanged():
         c.close()
 
 
-def test_grow_maps_ahead_at_most_an_eighth():
-    c = _cache(span_pages=8, cap_pages=128)
+def test_grow_takes_a_ready_span_of_eight_units():
+    """A sequence of at least GROW_SPAN_PAGES units grows by that many at once, taking a span the
+    reserve top-up created ahead of need (no creation on the grow); a shorter one page by page."""
+    from vmkv.vmem.backing import GROW_SPAN_PAGES as G
+    c = _cache(span_pages=16, cap_pages=256, kv_reserve_bytes=2 * G * PAGE)
     try:
+        assert c.pool.ready_span_pages == G and c.mapper.reserve_split(2 * G) == (G, 1)
         c.allocate(1, 24 * UT)
-        slot = c.seqs.get(1).units
-        c.extend(1, 1)                                 # crosses into unit 24: ahead by 24 // 8 = 3
-        assert slot.claimed == 25 + 3
-        assert c.vmm_stats()["num_spans_created"] == 4  # 8 + 8 + 8, then the 4 of the grow
-        for _ in range(3 * UT - 1):
+        c.allocate(2, 4 * UT)
+        c.release_idle(now=0.0)                        # the top-up: G plain free pages, one ready span
+        assert (c.pool.num_free, c.pool.num_ready_spans) == (G, 1)
+        created = c.pool.num_created
+        c.extend(1, 1)                                 # crosses into unit 24: claims G units at once
+        assert c.seqs.get(1).units.claimed == 24 + G
+        assert c.pool.num_ready_spans == 0 and c.pool.num_created == created   # taken, not created
+        s = c.vmm_stats()
+        for _ in range(G * UT - 1):
             c.extend(1, 1)                             # inside the claimed units: no map call
-        assert c.vmm_stats()["num_spans_created"] == 4
+        assert c.vmm_stats()["num_maps"] == s["num_maps"]
+        c.extend(2, 1)                                 # 4 < G units: one plain free page
+        assert c.seqs.get(2).units.claimed == 5 and c.pool.num_free == G - 1
+        c.release_idle(now=1.0)                        # the top-up makes the ready span again
+        assert c.pool.num_ready_spans == 1
         c.check_integrity()
-        small = _cache(span_pages=8, cap_pages=128)
-        try:
-            small.allocate(1, 4 * UT)
-            small.extend(1, 1)                         # 4 // 8 = 0: one unit, no look ahead
-            assert small.seqs.get(1).units.claimed == 5
-        finally:
-            small.close()
+    finally:
+        c.close()
+
+
+def test_ready_spans_make_room_at_the_cap():
+    """Single pages at the cap come from releasing a ready span, before reclaiming anything."""
+    from vmkv.vmem.backing import GROW_SPAN_PAGES as G
+    c = _cache(span_pages=16, cap_pages=4 * G, kv_reserve_bytes=2 * G * PAGE)
+    try:
+        c.allocate(1, 2 * G * UT)
+        c.release_idle(now=0.0)
+        assert c.pool.num_ready_spans == 1 and c.pool.num_created == 4 * G   # 2G + G + one span of G
+        c.allocate(2, 2 * G * UT)                      # needs the ready span's memory too
+        assert c.pool.num_ready_spans == 0
+        c.check_integrity()
     finally:
         c.close()
 

@@ -14,7 +14,11 @@ from vmkv.vmem.mapper import SlotMapper
 from vmkv.vmem.page_pool import PagePool
 from vmkv.vmem.placement import default_host_page_size as _host_page_size
 
-__all__ = ["Backing", "build_backing", "default_host_page_size"]
+__all__ = ["Backing", "build_backing", "default_host_page_size", "GROW_SPAN_PAGES"]
+
+#: with spans, a megacache sequence of at least this many units grows by this many at once, one
+#: ready span each (``SlotMapper._claim_plan``; 8 pages of 2 MiB: 128 Llama-3-8B tokens, 16 MiB)
+GROW_SPAN_PAGES = 8
 
 
 def default_host_page_size(layout: str, spec: KVCacheSpec, max_model_len: int) -> int:
@@ -91,6 +95,8 @@ def build_backing(spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, m
         mapper = SlotMapper(drv, lay, pool, prefix)
         if max_span_bytes is not None and getattr(drv, "supports_spans", False):
             mapper.max_span_pages = max(1, int(max_span_bytes) // page)
+            if lay.num_reservations == 1 and mapper.max_span_pages > 1:   # megacache grows by spans
+                pool.ready_span_pages = min(mapper.max_span_pages, GROW_SPAN_PAGES)
         try:  # kernel launches receive guard addresses, never slot 0's (layout.py, "guard page")
             bases = [drv.as_tensor(va, lay.reservation_bytes) for va in mapper.bases]
             lay.map_guards(drv, mapper.bases)

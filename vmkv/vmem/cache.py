@@ -136,11 +136,13 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         num_units = self.layout.num_units(n)
         hits = [e.handles for e in hits]
         slot = pick_slot(self.mapper, num_units, hits)
+        usable = self.mapper.usable_hits(slot, num_units, hits)   # spans: SlotMapper.usable_hits
+        hits = hits[:usable]
         fresh, available = self.mapper.plan_occupy(slot, num_units, hits)
         page = self.layout.page_size_bytes
         return Room(fresh, available, n, self._free_tokens,
                     lambda: f"needs {fresh} more pages of {page} B, {available} obtainable",
-                    (slot, num_units, hits))
+                    (slot, num_units, hits), num_hits=usable)
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
         slot, num_units, hit_pages = room.payload

@@ -106,13 +106,29 @@ class ElasticMixin:
         docstring; at most ``max_pages`` of them now and never beyond the pool's cap
         (:meth:`PagePool.top_up`: out of memory ends it quietly).  Returns the number of pages
         created.  Raises VMMError: a creation failed for another reason than memory."""
-        have = self.pool.num_free if live else self.num_idle_pages()
-        need = min(reserve_pages - have, max_pages)
-        if need <= 0:
-            return 0
-        created = self.pool.top_up(need)
+        if not live:
+            need = min(reserve_pages - self.num_idle_pages(), max_pages)
+            created = self.pool.top_up(need) if need > 0 else 0
+        else:
+            singles, spans = self.reserve_split(reserve_pages)
+            need = min(singles - self.pool.num_free, max_pages)
+            created = self.pool.top_up(need) if need > 0 else 0
+            g = self.pool.ready_span_pages
+            missing = min(spans - self.pool.num_ready_spans, (max_pages - created) // g) if spans else 0
+            if missing > 0:
+                created += self.pool.top_up_spans(missing)
         self.num_topped_up_pages += created
         return created
+
+    def reserve_split(self, reserve_pages: int) -> tuple[int, int]:
+        """``(plain free pages, ready spans)`` the reserve is kept as while sequences are live: with
+        ready spans (``PagePool.ready_span_pages``, megacache with spans) half of it, in whole spans,
+        serves the grows that take a span, the rest the grows of one page."""
+        g = self.pool.ready_span_pages
+        if g < 2:
+            return reserve_pages, 0
+        spans = reserve_pages // 2 // g
+        return reserve_pages - spans * g, spans
 
     def _fence_pending(self, page: int) -> bool:
         for s in self.table.slots_of(page):
@@ -121,10 +137,11 @@ class ElasticMixin:
                 return True
         return False
 
-    def release_idle_pages(self, num_pages: int, keep_free: int = 0) -> int:
+    def release_idle_pages(self, num_pages: int, keep_free: int = 0, keep_spans: int = 0) -> int:
         """Release up to ``num_pages`` idle pages to the driver (order and safety rules: the module
         docstring); never waits for a fence, never takes the plain free list below ``keep_free``
-        pages (the reserve, while sequences are live; else 0).  Below ``keep_free`` (at the cap, or
+        pages nor the ready spans below ``keep_spans`` (the reserve, while sequences are live:
+        :meth:`reserve_split`; else 0; ready spans go first).  Below ``keep_free`` (at the cap, or
         when creation is out of memory) an unmapped page refills the reserve instead of going, so a
         call unmaps or evicts at most ``num_pages`` plus the pages missing from the reserve when it
         starts (the grows that follow would otherwise reclaim them on the critical path); a span
@@ -134,6 +151,8 @@ class ElasticMixin:
 
         def drain() -> None:
             nonlocal released
+            while released < num_pages and self.pool.num_ready_spans > keep_spans:
+                released += self.pool.release_ready_span()      # whole: may pass num_pages
             while released < num_pages and self.pool.num_free > keep_free:
                 self.pool.release_free()
                 released += 1
@@ -143,7 +162,7 @@ class ElasticMixin:
             if self._parked:
                 self.unpark_all()         # their pages become reclaimable, as at their vacate
             candidates = (self.table.reclaimable | self.pool.cached_pages()) - self._pending
-            spans = bool(self.pool.span_of)
+            spans = bool(self.pool.span_of) or bool(self.pool.ready_span_pages)
             for page in self._eviction_order(candidates):
                 if released >= num_pages:
                     # a span cannot refill the plain free reserve as an unmapped page does: it goes,

@@ -144,6 +144,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         #: spans (page_pool.py): fresh runs of up to this many pages of one slot are created as one
         #: allocation (1: every page its own; the cache sets it from ``max_span_bytes``)
         self.max_span_pages = 1
+        self._checked = callable(getattr(driver, "check_mappings", None))
         self.num_span_copies = 0         # pages copied because a span's page cannot be shared
         self.num_released_span_pages = 0
 
@@ -219,7 +220,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
             targets.append((res, bases[res] + row + unit * page_bytes))
         drv = self.driver
         span_of = self.pool.span_of
-        if span_of:
+        if span_of and self._checked:       # tests (CheckedDriver): the spans' layout is verified
             self._check_spans_whole(items)
         done: list[tuple[int, int]] = []      # (va, pages) mapped by this batch
         t0 = time.perf_counter_ns()
@@ -348,12 +349,12 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         one of its pages (``hits``: an occupant's hit pages per unit), it is unmapped and released,
         and its units below ``end`` get fresh pages.  Without spans: ``(end, frozenset())``.
 
-        ``grow`` (a live sequence's growth that needs fresh pages): the claim goes on by up to an
-        eighth of what the sequence claims (at most :attr:`max_span_pages` units, while the pool
-        has that many plain available pages to spare and the units are unmapped), so that a long
-        sequence's growth maps one span per many units instead of one page per unit (the
-        geometric growth of a dynamic array, bounded as vAttention maps ahead a whole page per
-        layer; the pages claimed ahead count as allocated, waste until written).
+        ``grow`` (a live sequence's growth that needs fresh pages, megacache): a sequence that
+        claims at least ``PagePool.ready_span_pages`` (G) units claims the next G units at once,
+        while the pool has the room and they are unmapped, so its growth takes one ready span
+        (one map and one access call, no creation: ``PagePool.top_up_spans``) per G units instead
+        of one page per unit; the units claimed ahead (fewer than G per sequence, as vAttention maps
+        a whole page of every layer ahead) count as allocated, waste until written.
 
         Returns:
             ``(end, pages of the spans to unmap)``.
@@ -382,11 +383,14 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
             if new == end:
                 break
             end = new
-        if grow and self.max_span_pages > 1 and slot.seq_id is not None:
-            ahead = min(self.max_span_pages, slot.claimed >> 3, self.layout.pages_per_slot - end)
-            if (ahead > 0 and end - 1 not in slot.units and ahead * self.num_res <= room
-                    and not any(u in slot.units for u in range(end, end + ahead))):
-                end += ahead
+        chunk = self.pool.ready_span_pages
+        if grow and chunk > 1 and slot.seq_id is not None and slot.claimed >= chunk:
+            target = min(slot.claimed + chunk, self.layout.pages_per_slot)
+            ahead = target - end
+            if (ahead > 0 and end - 1 not in slot.units
+                    and ahead <= room + self.pool.num_ready_span_pages
+                    and not any(u in slot.units for u in range(end, target))):
+                end = target
         return end, frozenset(doomed)
 
     def _replaced_spans(self, slot: Slot, hits: Sequence[Sequence[int]]) -> set[int]:
@@ -400,6 +404,26 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
                 if cur is not None and cur not in doomed and cur in span_of and cur != want[r]:
                     doomed.update(span_of[cur].pages)
         return doomed
+
+    def usable_hits(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]]) -> int:
+        """How many leading prefix hits an admission of ``num_units`` into ``slot`` can use: all,
+        unless a kept span of the slot holds some hits in place but goes (a later hit replaces
+        another of its pages, or it reaches too far past ``num_units``: :meth:`_claim_plan`); a
+        span goes only whole, so the hits then stop at its first unit, and the sequence computes
+        the rest."""
+        span_of, n = self.pool.span_of, len(hits)
+        if not span_of or not n:
+            return n
+        position = self.table.position
+        while True:
+            cut = n
+            for p in self._claim_plan(slot, num_units, hits[:n])[1]:
+                res, u = position(p)
+                if u < n and hits[u][res] == p:         # a hit in place in a span that goes
+                    cut = min(cut, position(span_of[p].pages[0])[1])
+            if cut == n:
+                return n
+            n = cut
 
     def _unmap_spans(self, slot: Slot, pages: Iterable[int]) -> None:
         """Unmap (after the slot's fence) and release the spans of ``pages`` still mapped in ``slot``."""
@@ -545,6 +569,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         return all(p in reclaimable and p not in exclude and p not in self._pending for p in span.pages)
 
     def _ensure_pool(self, num_pages: int, exclude: frozenset = frozenset()) -> None:
+        self.pool.make_room(num_pages)       # ready spans first: mapped nowhere, nothing cached
         short = num_pages - self.pool.num_plain_available
         if short > 0:
             self.reclaim(short, exclude)

@@ -20,7 +20,10 @@ each: ``driver.py``).  Each page of a span has its own id (negative, never a dri
 claims and prefix entry, but the driver maps, unmaps and releases a span only whole, so a span lives
 exactly as long as its one mapping: it is created for a run of fresh pages of one slot, mapped once,
 and released (:meth:`release_span`) when the mapper unmaps it.  A span's pages are never mapped in a
-second slot (never shared) and never sit on a free tier.
+second slot (never shared) and never sit on a free tier.  **Ready spans** (:meth:`top_up_spans`) are
+spans of :attr:`PagePool.ready_span_pages` created ahead of need, off the critical path, for the grows
+that take one (:meth:`take_ready_span`); they hold no page id until taken, count as available, and
+are released first when single pages need the room (:meth:`make_room`).
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ class PagePool:
         self.span_of: dict[int, Span] = {}     # page of a span -> its span (module docstring)
         self._next_span_page = -1              # span pages get ids -1, -2, ... (never reused)
         self.num_spans_created = 0
+        #: size of the spans kept ready (created, mapped nowhere) for grows; 0: none (the mapper sets it)
+        self.ready_span_pages = 0
+        self._ready_spans: list[int] = []      # driver handles of ready spans of ready_span_pages
         self._num_created = 0
         if preallocate:
             for _ in range(self.max_pages):
@@ -126,8 +132,14 @@ class PagePool:
 
     @property
     def num_available(self) -> int:
-        """Pages obtainable: plain available + cached free (evictable)."""
-        return self.num_plain_available + len(self._cached)
+        """Pages obtainable: plain available + cached free (evictable) + ready spans' (released to
+        make room when single pages are needed: :meth:`make_room`)."""
+        return self.num_plain_available + len(self._cached) + self.num_ready_span_pages
+
+    @property
+    def num_ready_span_pages(self) -> int:
+        """Pages in ready spans (created ahead of need for grows, mapped nowhere)."""
+        return len(self._ready_spans) * self.ready_span_pages
 
     def cached_pages(self) -> set[int]:
         """Copy of the cached free pages."""
@@ -143,6 +155,8 @@ class PagePool:
     def acquire(self) -> int:
         """Take a plain page (in use, mapped nowhere; the caller maps it, or :meth:`give_back`).
         Never evicts a cached page: :meth:`evict` first."""
+        if not self._free and self._num_created >= self.max_pages and self._ready_spans:
+            self.release_ready_span()           # at the cap: a ready span's memory becomes room
         if self._free:
             page = self._free.pop()
         elif self._num_created < self.max_pages:
@@ -209,6 +223,63 @@ class PagePool:
             raise PagePoolExhaustedError(f"a span of {n} pages exceeds the cap: {self._num_created} of "
                                          f"{self.max_pages} pages created")
         handle = self.driver.create_page(num_pages=n)
+        pages = self._adopt_span(handle, n)
+        self._num_created += n
+        self.num_spans_created += 1
+        return pages
+
+    def take_ready_span(self) -> list[int] | None:
+        """A ready span's pages (in use, mapped nowhere, as :meth:`create_span` gives them), or None
+        when none is ready; no driver call."""
+        if not self._ready_spans:
+            return None
+        return self._adopt_span(self._ready_spans.pop(), self.ready_span_pages)
+
+    def top_up_spans(self, num_spans: int) -> int:
+        """Create up to ``num_spans`` ready spans of :attr:`ready_span_pages` within the cap, off the
+        critical path (cuMemCreate's cost grows with the bytes it creates, so a grow that takes one
+        pays only the map and the access).  Out of memory ends it quietly.  Returns pages created.
+        Raises VMMError: a creation failed for another reason."""
+        n, created = self.ready_span_pages, 0
+        if n < 2:
+            return 0
+        for _ in range(max(0, int(num_spans))):
+            if self._num_created + n > self.max_pages:
+                break
+            try:
+                handle = self.driver.create_page(num_pages=n)
+            except VMMError as e:
+                if creation_out_of_memory(self.driver, e):
+                    break
+                raise
+            self._ready_spans.append(handle)
+            self._num_created += n
+            self.num_spans_created += 1
+            created += n
+        return created
+
+    @property
+    def num_ready_spans(self) -> int:
+        return len(self._ready_spans)
+
+    def release_ready_span(self) -> int:
+        """Release one ready span to the driver; returns its pages (0 when none is ready).
+        Raises VMMError: the release failed (the span stays ready)."""
+        if not self._ready_spans:
+            return 0
+        handle = self._ready_spans[-1]
+        self.driver.release(handle, num_pages=self.ready_span_pages)
+        self._ready_spans.pop()
+        self._num_created -= self.ready_span_pages
+        return self.ready_span_pages
+
+    def make_room(self, num_pages: int) -> None:
+        """Release ready spans until ``num_pages`` pages are plain available or none is left (before
+        reclaiming: a ready span is mapped nowhere and holds no cached unit)."""
+        while self.num_plain_available < num_pages and self._ready_spans:
+            self.release_ready_span()
+
+    def _adopt_span(self, handle: int, n: int) -> list[int]:
         start = self._next_span_page
         pages = tuple(range(start, start - n, -1))
         self._next_span_page = start - n
@@ -216,8 +287,6 @@ class PagePool:
         for p in pages:
             self.span_of[p] = span
         self.table.add_many(pages)
-        self._num_created += n
-        self.num_spans_created += 1
         return list(pages)
 
     def release_span(self, span: Span) -> None:
@@ -333,9 +402,10 @@ class PagePool:
                 raise AssertionError(f"pages both {name} and in use: {sorted(tier & in_use)}")
         if free & self._cached:
             raise AssertionError(f"pages both plain and cached free: {sorted(free & self._cached)}")
-        if len(free) + len(self._cached) + len(in_use) != self._num_created:
+        ready = self.num_ready_span_pages
+        if len(free) + len(self._cached) + len(in_use) + ready != self._num_created:
             raise AssertionError(f"plain free {len(free)} + cached free {len(self._cached)} + in use "
-                                 f"{len(in_use)} != created {self._num_created}")
+                                 f"{len(in_use)} + ready spans {ready} != created {self._num_created}")
         spans = {id(s): s for s in self.span_of.values()}
         if sum(len(s) for s in spans.values()) != len(self.span_of):
             raise AssertionError(f"{len(self.span_of)} span pages, the spans hold "
@@ -358,6 +428,8 @@ class PagePool:
         if len(self.table):
             raise AssertionError(f"{len(self.table)} pages still in use at close")
         self.prefix.clear()
+        while self._ready_spans:
+            self.release_ready_span()
         self._free.extend(self._cached)
         self._cached.clear()
         for page in self._free:

@@ -19,6 +19,13 @@ def _runs(holes: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """``holes`` (``(unit, res)``) split into maximal runs of consecutive units of one reservation,
     each in unit order (the runs a span can back)."""
     runs: list[list[tuple[int, int]]] = []
+    if all(r == 0 for _, r in holes):     # one reservation (megacache): holes come in unit order
+        for h in holes:
+            if runs and runs[-1][-1][0] + 1 == h[0]:
+                runs[-1].append(h)
+            else:
+                runs.append([h])
+        return runs
     last: dict[int, list] = {}
     for u, r in sorted(holes, key=lambda h: (h[1], h[0])):
         run = last.get(r)
@@ -120,6 +127,11 @@ class SlotOpsMixin:
         if self.max_span_pages > 1 and len(holes) > 1:
             for run in _runs(holes):
                 while len(run) > 1:
+                    if len(run) == pool.ready_span_pages and pool.num_ready_spans:
+                        pages = pool.take_ready_span()      # a grow's chunk: created ahead of need
+                        acquired += pages
+                        out.update(zip(run, pages))
+                        break
                     n = min(len(run), self.max_span_pages, pool.max_pages - pool.num_created)
                     if n < 2:
                         break

@@ -168,8 +168,9 @@ class VMemStatsMixin:
         if num > 0:
             if len(self.seqs):
                 num = min(num, RELEASE_PAGES_PER_CALL)
-            keep_free = self._idle_window.reserve_pages if len(self.seqs) else 0
-            released = self.mapper.release_idle_pages(num, keep_free=keep_free)
+            keep_free, keep_spans = (self.mapper.reserve_split(self._idle_window.reserve_pages)
+                                     if len(self.seqs) else (0, 0))
+            released = self.mapper.release_idle_pages(num, keep_free=keep_free, keep_spans=keep_spans)
             self._idle_window.released(released)
             if released:
                 logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)

@@ -237,8 +237,8 @@ class PagePool:
 
     def top_up_spans(self, num_spans: int) -> int:
         """Create up to ``num_spans`` ready spans of :attr:`ready_span_pages` within the cap, off the
-        critical path (cuMemCreate's cost grows with the bytes it creates, so a grow that takes one
-        pays only the map and the access).  Out of memory ends it quietly.  Returns pages created.
+        critical path (a grow that takes one pays only the map and the access call).  Out of memory
+        ends it quietly.  Returns pages created.
         Raises VMMError: a creation failed for another reason."""
         n, created = self.ready_span_pages, 0
         if n < 2:

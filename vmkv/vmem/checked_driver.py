@@ -85,6 +85,12 @@ class CheckedDriver:
         self._guards = {g for g in self._guards if not va <= g < va + nbytes}
         del self._reservations[va]
 
+    def _inner(self, op: str, *args, num_pages: int = 1, **kwargs):
+        """The wrapped driver's ``op``; ``num_pages`` passed only for a span (a wrapped driver without
+        spans takes the single-page calls as before)."""
+        fn = getattr(self.inner, op)
+        return fn(*args, **kwargs) if num_pages == 1 else fn(*args, num_pages=num_pages, **kwargs)
+
     def _num_pages_of(self, op: str, handle: int, num_pages: int) -> None:
         n = self._span_pages.get(handle, 1)
         if int(num_pages) != n:
@@ -95,7 +101,7 @@ class CheckedDriver:
         self._check_open("create_page")
         if int(num_pages) < 1:
             raise self._invalid("create_page", f"num_pages={num_pages} must be >= 1")
-        handle = self.inner.create_page(num_pages) if num_pages != 1 else self.inner.create_page()
+        handle = self._inner("create_page", num_pages=num_pages)
         self._page_map_count[handle] = 0
         if num_pages != 1:
             self._span_pages[handle] = int(num_pages)
@@ -110,10 +116,7 @@ class CheckedDriver:
             raise self._invalid("release", f"page {handle} is still mapped at {count} addresses; "
                                            f"unmap it first")
         self._num_pages_of("release", handle, num_pages)
-        if num_pages != 1:
-            self.inner.release(handle, num_pages)
-        else:
-            self.inner.release(handle)
+        self._inner("release", handle, num_pages=num_pages)
         del self._page_map_count[handle]
         self._span_pages.pop(handle, None)
 
@@ -132,10 +135,7 @@ class CheckedDriver:
             if a in self._guards:
                 raise self._invalid("map", f"va={a:#x} is a guard page (mapped for the reservation's "
                                            f"lifetime); map another page")
-        if num_pages != 1:
-            self.inner.map(va, handle, set_access=set_access, num_pages=num_pages)
-        else:
-            self.inner.map(va, handle, set_access=set_access)
+        self._inner("map", va, handle, set_access=set_access, num_pages=num_pages)
         for i, a in enumerate(vas):
             self._mappings[a] = handle if num_pages == 1 else (handle, i)
             if not set_access:
@@ -154,10 +154,7 @@ class CheckedDriver:
             raise self._invalid("unmap", f"va={va:#x} is page {index} of span {handle}; unmap the span "
                                          f"from its first page")
         self._num_pages_of("unmap", handle, num_pages)
-        if num_pages != 1:
-            self.inner.unmap(va, num_pages)
-        else:
-            self.inner.unmap(va)
+        self._inner("unmap", va, num_pages=num_pages)
         page = self.inner.page_size_bytes
         for i in range(int(num_pages)):
             del self._mappings[va + i * page]

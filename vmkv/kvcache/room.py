@@ -27,8 +27,8 @@ class Room:
             the per-step path are many, failures few; nothing changes between plan and check).
         payload: whatever the backend's apply hook wants back.
         num_hits: an allocation's plan may use only its first ``num_hits`` prefix hits (``None``:
-            all); the core then counts, reports and skips only those (vmem: a span that a later hit
-            replaces cannot also serve the earlier ones, ``vmkv.vmem.page_pool`` "Spans").
+            all); the core then counts, reports and skips only those (the vmem backend: a span that
+            a later hit replaces cannot also serve the earlier ones, its page pool's "Spans").
     """
 
     num_needed: int

@@ -188,14 +188,16 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         page_bytes = self.layout.page_size_bytes
         if len(targets) == 1:
             return [(targets[0][1], page_bytes)]
-        runs: list[list[int]] = []      # [res, va, nbytes]
+        runs: list[list[int]] = []      # [va, nbytes]
+        last_res = end = None
         for res, va in sorted(targets):
-            last = runs[-1] if runs else None
-            if last is not None and last[0] == res and last[1] + last[2] == va:
-                last[2] += page_bytes
+            if res == last_res and va == end:
+                runs[-1][1] += page_bytes
             else:
-                runs.append([res, va, page_bytes])
-        return [(va, nbytes) for _, va, nbytes in runs]
+                runs.append([va, page_bytes])
+                last_res = res
+            end = va + page_bytes
+        return [(va, nbytes) for va, nbytes in runs]
 
     def _map_batch(self, slot: Slot, items: Sequence[tuple[int, int, int]]) -> None:
         """Map ``(unit, res, page)`` items into ``slot``: every page without access, then one
@@ -209,14 +211,14 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         # unit_offset is the slot row's offset plus unit * page_size_bytes (layout.py)
         row, page_bytes = self.layout.unit_offset(slot.index, 0), self.layout.page_size_bytes
         targets = []                    # (res, va) per item
+        none = (None,) * self.num_res
         for unit, res, page in items:
             # internal invariant: a shared page sits at one (reservation, unit) in every slot (prefix
             # hits are verified down to their chain position, so a hit's unit is its depth)
             e = entries.get(page)
             assert e is None or e.pos is None or e.pos == (res, unit), \
                 f"page {page} is at {e.pos}, cannot map at {(res, unit)}"
-            assert units.get(unit, (None,) * self.num_res)[res] is None, \
-                f"slot {slot.index} unit {unit} res {res} is mapped"
+            assert units.get(unit, none)[res] is None, f"slot {slot.index} unit {unit} res {res} is mapped"
             targets.append((res, bases[res] + row + unit * page_bytes))
         drv = self.driver
         span_of = self.pool.span_of

@@ -113,9 +113,10 @@ class PageTable:
     def add_many(self, pages: Iterable[int]) -> None:
         """:meth:`add` of each of ``pages``."""
         entries = self.entries
-        for page in pages:
-            assert page not in entries, f"page {page} is already in use"
-            entries[page] = PageEntry()
+        pages = tuple(pages)
+        assert entries.keys().isdisjoint(pages), \
+            f"pages {[p for p in pages if p in entries]} are already in use"
+        entries.update(zip(pages, [PageEntry() for _ in pages]))
 
     def remove(self, page: int) -> None:
         """``page`` goes back to a free tier: it must be mapped nowhere."""

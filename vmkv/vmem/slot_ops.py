@@ -105,9 +105,13 @@ class SlotOpsMixin:
         try:
             if num_fresh:
                 self._ensure_pool(num_fresh, exclude)
-                fresh = self._fresh_pages([(u, r) for u, r, p in items if p is None], exclude, reuse,
-                                          acquired)
-                items = [(u, r, fresh.pop((u, r)) if p is None else p) for u, r, p in items]
+                if given is None:       # every hole is fresh: the pages come in hole order
+                    fresh = self._fresh_pages(holes, exclude, reuse, acquired)
+                    items = [(u, r, fresh[(u, r)]) for u, r in holes]
+                else:
+                    fresh = self._fresh_pages([(u, r) for u, r, p in items if p is None], exclude, reuse,
+                                              acquired)
+                    items = [(u, r, fresh.pop((u, r)) if p is None else p) for u, r, p in items]
             self._map_batch(slot, items)
         except BaseException:
             self.pool.give_back_many(acquired)
@@ -145,7 +149,7 @@ class SlotOpsMixin:
                     acquired += pages
                     out.update(zip(run[:n], pages))
                     run = run[n:]
-        rest = [h for h in holes if h not in out]
+        rest = [h for h in holes if h not in out] if out else holes
         fresh = pool.take_free(len(rest))
         acquired += fresh
         while len(fresh) < len(rest):

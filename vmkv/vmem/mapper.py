@@ -341,7 +341,7 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         self.num_released_span_pages += n
 
     def _claim_plan(self, slot: Slot, end: int, hits: Sequence[Sequence[int]] = (),
-                    grow: bool = False) -> tuple[int, frozenset]:
+                    grow: bool = False, extra: int = 0) -> tuple[int, frozenset]:
         """Where a claim of units ``[.., end)`` of ``slot`` really ends, and which of the slot's kept
         spans it unmaps, so that a span is always claimed whole or not at all (it is unmapped only
         whole: ``page_pool.py``, "Spans").  A kept span that units ``[0, end)`` reach into is claimed
@@ -356,7 +356,10 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         while the pool has the room and they are unmapped, so its growth takes one ready span
         (one map and one access call, no creation: ``PagePool.top_up_spans``) per G units instead
         of one page per unit; the units claimed ahead (fewer than G per sequence, as vAttention maps
-        a whole page of every layer ahead) count as allocated, waste until written.
+        a whole page of every layer ahead) count as allocated, waste until written.  Only when the
+        whole grow (its own fresh pages, ``extra`` more for its copies-on-write, and the units ahead)
+        fits in the plain available pages and ready spans: claiming ahead never makes a grow that
+        fits without it reclaim, or refuse it.
 
         Returns:
             ``(end, pages of the spans to unmap)``.
@@ -365,8 +368,24 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         if not span_of or end <= 0:
             return end, frozenset()
         doomed = self._replaced_spans(slot, hits) if hits else set()
-        room = self.pool.num_plain_available
-        get, position = slot.units.get, self.table.position
+        get, position, entries = slot.units.get, self.table.position, self.table.entries
+        num_res = self.num_res
+        room: list = []         # plain available pages less the claim's own fresh pages (when asked)
+
+        def spare() -> int:
+            # the claim's own fresh pages, counted once (holes, shared pages to replace, replaced
+            # spans' pages) from where it starts (a live slot's claim, or past an occupant's hits),
+            # and ``extra`` more (the grow's copies-on-write): what a span's tail or the units ahead
+            # take must come on top of them, or the claim would be refused where it fits without
+            if not room:
+                need = extra
+                for u in range(max(len(hits), slot.claimed if slot.seq_id is not None else 0), end):
+                    pages = get(u)
+                    need += num_res if pages is None else sum(
+                        1 for p in pages if p is None or len(entries[p].slots) > 1 or p in doomed)
+                room.append(self.pool.num_plain_available - need)
+            return room[0]
+
         while True:
             new = end
             for p in get(end - 1, ()):
@@ -377,8 +396,12 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
                 tail = u0 + len(span) - end
                 if tail <= 0 or self._is_claimed(slot, u0):     # a live claim holds it whole already
                     continue
-                if tail <= room and 8 * tail <= end:
-                    room -= tail
+                # per_layer: the units it adds may hold holes in the other reservations, which the
+                # claim fills with fresh pages too
+                cost = tail if num_res == 1 else tail + sum(
+                    q is None for u in range(end, end + tail) for q in get(u, ()))
+                if 8 * tail <= end and cost <= spare():
+                    room[0] -= cost
                     new = max(new, end + tail)
                 else:
                     doomed.update(span.pages)
@@ -390,8 +413,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
             target = min(slot.claimed + chunk, self.layout.pages_per_slot)
             ahead = target - end
             if (ahead > 0 and end - 1 not in slot.units
-                    and ahead <= room + self.pool.num_ready_span_pages
-                    and not any(u in slot.units for u in range(end, target))):
+                    and not any(u in slot.units for u in range(end, target))
+                    and ahead * num_res <= spare() + self.pool.num_ready_span_pages):
                 end = target
         return end, frozenset(doomed)
 

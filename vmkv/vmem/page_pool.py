@@ -311,13 +311,17 @@ class PagePool:
 
     def give_back_many(self, pages) -> None:
         """:meth:`give_back` of each of ``pages`` (acquired or revived, never mapped); a span among
-        them (all its pages) is released."""
+        them (all its pages) is released, once, whichever of its pages comes first."""
+        released: set[int] = set()          # pages of the spans released here (no longer in span_of)
         for p in pages:
+            if p in released:
+                continue
             span = self.span_of.get(p)
             if span is None:
                 self.give_back(p)
-            elif p == span.pages[0]:
+            else:
                 self.release_span(span)
+                released.update(span.pages)
 
     def revive(self, page: int) -> None:
         """Take cached free ``page`` to map it again (count 0, like :meth:`acquire`)."""

@@ -269,7 +269,9 @@ class SlotOpsMixin:
     # ------------------------------------------------------------------ grow (extend)
     def plan_grow(self, slot: Slot, num_units: int, cow_units: Iterable[int]) -> tuple[int, int]:
         """``(fresh pages needed, pages available)`` for :meth:`grow`."""
-        num_units, doomed = self._claim_plan(slot, num_units, grow=num_units > slot.claimed)
+        cow_units = [u for u in cow_units if u < slot.claimed]
+        cow = self.plan_writable(slot, cow_units, range(self.num_res)) if cow_units else 0
+        num_units, doomed = self._claim_plan(slot, num_units, grow=num_units > slot.claimed, extra=cow)
         fresh = leaving = 0
         get, entries = slot.units.get, self.table.entries
         for u in range(slot.claimed, num_units):
@@ -282,10 +284,7 @@ class SlotOpsMixin:
                     fresh += 1
                 else:
                     leaving += 1
-        cow_units = [u for u in cow_units if u < slot.claimed]
-        if cow_units:
-            fresh += self.plan_writable(slot, cow_units, range(self.num_res))
-        return fresh, self.available_pages() - leaving
+        return fresh + cow, self.available_pages() - leaving
 
     def _claim_units(self, slot: Slot, old: int, end: int, reuse: bool = True,
                      plan: tuple[int, frozenset] | None = None) -> None:
@@ -317,12 +316,13 @@ class SlotOpsMixin:
         shared pages of ``cow_units`` (pages holding bytes below ``copy_below_bytes`` of the slot
         row are copied, others just replaced).  Returns the copies to make (:meth:`make_writable`)."""
         old = slot.claimed
+        cow_units = [u for u in cow_units if u < old]
+        cow = self.plan_writable(slot, cow_units, range(self.num_res)) if cow_units else 0
         # before the copies' pages leave the pool (plan_grow's state)
-        num_units, doomed = self._claim_plan(slot, num_units, grow=num_units > slot.claimed)
+        num_units, doomed = self._claim_plan(slot, num_units, grow=num_units > slot.claimed, extra=cow)
         if doomed:                  # first: the copies may take their memory (plan_grow counts it so)
             self._unmap_spans(slot, doomed)
         plan = (num_units, frozenset())
-        cow_units = [u for u in cow_units if u < old]
         fresh: list[int] = []
         if cow_units:       # the copies' pages first, all or none (a creation out of memory)
             kept = frozenset(p for u in range(old, num_units) for p in slot.units.get(u, ()) if p is not None)
@@ -515,13 +515,38 @@ class SlotOpsMixin:
                 break
             budget -= need
             end = u + 1
+        # the claim really ends where _claim_plan says (on to the end of a kept span it reaches into,
+        # whose units may hold holes in other reservations, or the span goes): back off to a claim
+        # whose fresh pages the plain pool has, less what its doomed spans give back
+        budget = self.pool.num_plain_available
+        while end > old:
+            plan = self._claim_plan(slot, end)
+            if self._claim_cost(slot, old, plan) <= budget:
+                break
+            end -= 1
         if end == old:
             return
         try:
-            self._claim_units(slot, old, end, reuse=False)     # best effort: no reuse on out of memory
+            self._claim_units(slot, old, plan[0], reuse=False, plan=plan)   # no reuse on out of memory
         except VMMError as e:       # a creation out of memory ends it quietly (the claim is undone)
             if not creation_out_of_memory(self.driver, e):
                 raise
+
+    def _claim_cost(self, slot: Slot, start: int, plan: tuple[int, frozenset]) -> int:
+        """Plain pool pages :meth:`_claim_units` of units ``[start, end)`` with ``plan`` (``(end,
+        doomed)`` of :meth:`_claim_plan`) takes at most: a page per hole, shared page, cached kept
+        page or page of a doomed span, less the doomed spans' pages (released: room to create)."""
+        end, doomed = plan
+        get, num_res = slot.units.get, self.num_res
+        need = 0
+        for u in range(start, end):
+            pages = get(u)
+            if pages is None:
+                need += num_res
+                continue
+            need += sum(1 for p in pages
+                        if p is None or p in doomed or self._needs_fresh(p) or self._is_cached_kept(p))
+        return need - len(doomed)
 
     def prefetch(self, slot: Slot, num_units: int, hits: Sequence[Sequence[int]] = ()) -> int:
         """Best effort, off the critical path: map the holes of units ``[claimed, num_units)`` of

@@ -154,10 +154,8 @@ def test_lookahead_onto_a_kept_span_with_holes_per_layer():
         c.close()
 
 
-@pytest.mark.xfail(strict=True, reason="unresolved: prefetch into a live slot creates spans of up to "
-                   "max_span_pages past claimed; the next grow reaches into one and, its tail being more "
-                   "than an eighth of the sequence, releases it (SlotMapper._claim_plan), so the prefetch "
-                   "is undone and the grows map page by page on the critical path")
+# a live slot's prefetch maps single pages (slot_ops.prefetch): once a span the grows reached into part
+# of was released whole by the next grow, and the grows mapped page by page on the critical path
 def test_prefetched_span_serves_the_grows_that_follow():
     c = _cache(span_pages=8, cap_pages=128, max_model_len=64 * UT)
     m = c.mapper

@@ -4,6 +4,7 @@ when any step fails), so the cache holds only its hooks (DESIGN.md "vmem backend
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from vmkv.kvcache.prefix import PrefixIndex
@@ -13,6 +14,8 @@ from vmkv.vmem.layout import LAYOUTS, VMemLayout, make_layout
 from vmkv.vmem.mapper import SlotMapper
 from vmkv.vmem.page_pool import PagePool
 from vmkv.vmem.placement import default_host_page_size as _host_page_size
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Backing", "build_backing", "default_host_page_size", "GROW_SPAN_PAGES"]
 
@@ -93,7 +96,9 @@ def build_backing(spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, m
                 f"memory_bytes to >= {lay.bytes_per_unit} or lower page_size_bytes")
         pool = PagePool(drv, max_pages, preallocate, prefix)
         mapper = SlotMapper(drv, lay, pool, prefix)
-        if max_span_bytes is not None and getattr(drv, "supports_spans", False):
+        if max_span_bytes is not None and preallocate:
+            logger.info("vmem spans off: preallocate creates every page up front, one by one")
+        elif max_span_bytes is not None and getattr(drv, "supports_spans", False):
             mapper.max_span_pages = max(1, int(max_span_bytes) // page)
             if lay.num_reservations == 1 and mapper.max_span_pages > 1:   # megacache grows by spans
                 pool.ready_span_pages = min(mapper.max_span_pages, GROW_SPAN_PAGES)

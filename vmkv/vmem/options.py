@@ -72,7 +72,8 @@ class VMemOptions(BackendOptions):
             this many bytes, so mapping them costs one cuMemCreate, cuMemMap and cuMemSetAccess
             instead of one of each per page (``vmkv.vmem.page_pool``, "Spans").  A span is mapped in
             one slot only: a prefix hit or a fork onto its pages copies them instead of sharing,
-            and it is released whole.  ``None``: every page is its own allocation.
+            and it is released whole.  ``None``: every page is its own allocation (also with
+            ``preallocate``, which creates every page up front).
         kv_shrink_grace_s: seconds idle memory must stay above the reserve before it is released; 0:
             at once, negative or ``inf``: never (the pool only grows).  ``preallocate`` turns it off.
     Raises:

@@ -79,13 +79,13 @@ class SlotOpsMixin:
                 self._unmap(slot, u, r)
 
     def _fill_holes(self, slot: Slot, units: Iterable[int], given=None, reuse: bool = True,
-                    protect: frozenset = frozenset()) -> int:
+                    protect: frozenset = frozenset(), spans: bool = True) -> int:
         """Map every hole of ``units`` of ``slot`` in one batch: ``given(unit, res)`` (a prefix-hit or
         parent page, mapped or cached free) where it returns a page, else a fresh page (reclaiming
         kept pages, never a given one or one in ``protect``, if the pool is short or, with
         ``reuse``, if page creation runs out of memory).  Fresh pages at consecutive units of one
-        reservation come as spans where :attr:`max_span_pages` allows (:meth:`_fresh_pages`).
-        Returns the number of pages mapped."""
+        reservation come as spans where :attr:`max_span_pages` allows (:meth:`_fresh_pages`; not
+        with ``spans=False``).  Returns the number of pages mapped."""
         get, res = slot.units.get, range(self.num_res)
         holes = [(u, r) for u in units if (pages := get(u)) is None or None in pages
                  for r in res if pages is None or pages[r] is None]
@@ -106,11 +106,11 @@ class SlotOpsMixin:
             if num_fresh:
                 self._ensure_pool(num_fresh, exclude)
                 if given is None:       # every hole is fresh: the pages come in hole order
-                    fresh = self._fresh_pages(holes, exclude, reuse, acquired)
+                    fresh = self._fresh_pages(holes, exclude, reuse, acquired, spans)
                     items = [(u, r, fresh[(u, r)]) for u, r in holes]
                 else:
                     fresh = self._fresh_pages([(u, r) for u, r, p in items if p is None], exclude, reuse,
-                                              acquired)
+                                              acquired, spans)
                     items = [(u, r, fresh.pop((u, r)) if p is None else p) for u, r, p in items]
             self._map_batch(slot, items)
         except BaseException:
@@ -119,7 +119,7 @@ class SlotOpsMixin:
         return len(items)
 
     def _fresh_pages(self, holes: Sequence[tuple[int, int]], exclude: frozenset, reuse: bool,
-                     acquired: list) -> dict:
+                     acquired: list, spans: bool = True) -> dict:
         """A fresh page for each ``(unit, res)`` of ``holes`` (the pool holds enough plain available
         pages: :meth:`_ensure_pool`), appended to ``acquired`` as they are taken.  Runs of holes at
         consecutive units of one reservation get spans of up to :attr:`max_span_pages` while the
@@ -128,7 +128,7 @@ class SlotOpsMixin:
         pages first, in one go, then created (or, with ``reuse``, idle pages on out of memory)."""
         out: dict = {}
         pool = self.pool
-        if self.max_span_pages > 1 and len(holes) > 1:
+        if spans and self.max_span_pages > 1 and len(holes) > 1:
             for run in _runs(holes):
                 while len(run) > 1:
                     if len(run) == pool.ready_span_pages and pool.num_ready_spans:
@@ -144,11 +144,13 @@ class SlotOpsMixin:
                     except VMMError as e:
                         if not creation_out_of_memory(self.driver, e):
                             raise
-                        run = []
+                        spans = False       # out of memory: no more spans in this call
                         break
                     acquired += pages
                     out.update(zip(run[:n], pages))
                     run = run[n:]
+                if not spans:
+                    break
         rest = [h for h in holes if h not in out] if out else holes
         fresh = pool.take_free(len(rest))
         acquired += fresh
@@ -583,7 +585,9 @@ class SlotOpsMixin:
                 break
             budget -= holes
             end = u + 1
-        mapped += self._fill_holes(slot, range(start, end), reuse=False)
+        # a live slot's prefetched units as single pages: the grows claim them one unit at a time,
+        # and a span they reached into part of would go whole (SlotMapper._claim_plan)
+        mapped += self._fill_holes(slot, range(start, end), reuse=False, spans=slot.seq_id is None)
         if all(u in slot.units and None not in slot.units[u] for u in range(len(hits))):
             slot.mapped_to = max(slot.mapped_to, end)
         self.num_prefetched_pages += mapped

@@ -365,8 +365,8 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
             ``(end, pages of the spans to unmap)``.
         """
         span_of = self.pool.span_of
-        if not span_of or end <= 0:
-            return end, frozenset()
+        if not span_of or end <= 0 or (not hits and not grow and slot.units_end <= end):
+            return end, frozenset()     # (nothing kept at or past end: no span reaches past it)
         doomed = self._replaced_spans(slot, hits) if hits else set()
         get, position, entries = slot.units.get, self.table.position, self.table.entries
         num_res = self.num_res

@@ -347,9 +347,9 @@ class SlotMapper(SlotOpsMixin, ElasticMixin, ParkingMixin, MapperCheckMixin):
         whole: ``page_pool.py``, "Spans").  A kept span that units ``[0, end)`` reach into is claimed
         on to its end when that adds at most an eighth of ``end`` and the pool has that many plain
         available pages to spare (its pages are held anyway, and the sequence grows into them);
-        otherwise, and when a prefix hit replaces
-        one of its pages (``hits``: an occupant's hit pages per unit), it is unmapped and released,
-        and its units below ``end`` get fresh pages.  Without spans: ``(end, frozenset())``.
+        otherwise, and when a prefix hit replaces one of its pages (``hits``: an occupant's hit
+        pages per unit), it is unmapped and released, and its units below ``end`` get fresh pages.
+        Without spans: ``(end, frozenset())``.
 
         ``grow`` (a live sequence's growth that needs fresh pages, megacache): a sequence that
         claims at least ``PagePool.ready_span_pages`` (G) units claims the next G units at once,

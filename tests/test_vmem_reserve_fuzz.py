@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache_cases import SPEC, one_torch_thread
-from vmem_helpers import checked_drivers  # noqa: F401 - autouse: every driver call validated
+from vmem_helpers import checked_drivers, prompt_values  # noqa: F401 - checked_drivers: autouse
 from vmkv import KVCacheFullError, create_kv_cache
 from vmkv.vmem import stats as vmem_stats
 from vmkv.vmem.driver import VMMError
@@ -32,15 +32,6 @@ H, D = SPEC.num_kv_heads, SPEC.head_dim
 def _one_thread():
     with one_torch_thread():
         yield
-
-
-def _prompt_values(prompt, layer: int) -> torch.Tensor:
-    """K of a prompt position: a function of the tokens up to it (and the layer), as in a decoder."""
-    out, h = [], 0
-    for t in prompt:
-        h = (h * 31 + t + 1) % 9973
-        out.append(float(h) + 0.25 * layer)
-    return torch.tensor(out).view(-1, 1, 1).expand(len(prompt), H, D).clone()
 
 
 class _Oom:
@@ -121,7 +112,7 @@ def _run(seed: int, layout: str, grace: float, steps: int, span_pages: int | Non
         counts["alloc"] += 1
         counts["hit"] += hit > 0
         if ids is not None:
-            full = [_prompt_values(ids, layer) for layer in range(SPEC.num_layers)]
+            full = [prompt_values(SPEC, ids, layer) for layer in range(SPEC.num_layers)]
             shadow[seq] = [f[:hit] for f in full]
             for layer in range(SPEC.num_layers):          # the hit positions hold that prefix's K/V
                 k, v = cache.gather(seq, layer)

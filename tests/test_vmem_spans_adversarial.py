@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvcache_cases import SPEC, one_torch_thread
-from vmem_helpers import checked_drivers  # noqa: F401 - autouse: every driver call validated
+from vmem_helpers import checked_drivers, prompt_values  # noqa: F401 - checked_drivers: autouse
 from vmkv import KVCacheFullError, StepSeq, create_kv_cache
 from vmkv.kvcache import hashing as hashing_mod
 from vmkv.vmem.protocol import VMMError
@@ -172,15 +172,6 @@ def test_prefetched_span_serves_the_grows_that_follow():
 
 
 # ------------------------------------------------------------------------ the fuzz
-def _prompt_values(prompt, layer: int) -> torch.Tensor:
-    """K of a prompt position: a function of the tokens up to it (and the layer), as in a decoder."""
-    out, h = [], 0
-    for t in prompt:
-        h = (h * 31 + t + 1) % 9973
-        out.append(float(h) + 0.25 * layer)
-    return torch.tensor(out).view(-1, 1, 1).expand(len(prompt), H, D).clone()
-
-
 def _usage_key(u, transient: bool):
     """What a refused operation must leave unchanged: all of usage() for a refusal by plan; after a
     creation out of memory (transient), the counters that reclaiming idle pages may move are left
@@ -267,7 +258,7 @@ def _fuzz(seed: int, steps: int, *, collide: bool = False) -> dict:
         if hit:
             bump("hit")
         if ids is not None:
-            full = [_prompt_values(ids, layer) for layer in range(SPEC.num_layers)]
+            full = [prompt_values(SPEC, ids, layer) for layer in range(SPEC.num_layers)]
             shadow[seq] = [(f[:hit], -f[:hit]) for f in full]
             for layer in range(SPEC.num_layers):          # the hit positions hold that prefix's K/V
                 k, v = cache.gather(seq, layer)

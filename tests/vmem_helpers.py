@@ -37,6 +37,17 @@ def random_kv(spec: KVCacheSpec, n: int, seed: int) -> tuple[torch.Tensor, torch
             torch.randn(shape, generator=g, device=spec.device).to(spec.dtype))
 
 
+def prompt_values(spec: KVCacheSpec, prompt, layer: int) -> torch.Tensor:
+    """K of each prompt position, ``float32 [len(prompt), num_kv_heads, head_dim]``: a function of the
+    tokens up to it (and the layer), as in a decoder, so a prefix hit can be checked against the K/V
+    any request with that prefix wrote (the fuzzers write V = -K)."""
+    out, h = [], 0
+    for t in prompt:
+        h = (h * 31 + t + 1) % 9973
+        out.append(float(h) + 0.25 * layer)
+    return torch.tensor(out).view(-1, 1, 1).expand(len(prompt), spec.num_kv_heads, spec.head_dim).clone()
+
+
 def write_all(c, spec: KVCacheSpec, seq: int, start: int, n: int, seed: int) -> dict:
     """Write random K/V at positions ``[start, start + n)`` of every layer of ``seq`` with ``c.write``;
     returns ``{layer: (k, v)}`` as written."""

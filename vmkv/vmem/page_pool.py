@@ -276,7 +276,7 @@ class PagePool:
     def make_room(self, num_pages: int) -> None:
         """Release ready spans until ``num_pages`` pages are plain available or none is left (before
         reclaiming: a ready span is mapped nowhere and holds no cached unit)."""
-        while self.num_plain_available < num_pages and self._ready_spans:
+        while self._ready_spans and self.num_plain_available < num_pages:
             self.release_ready_span()
 
     def _adopt_span(self, handle: int, n: int) -> list[int]:

@@ -11,13 +11,20 @@ space as it would in the full text.
 Stop strings: the output text ends right before the first occurrence of any stop string.  Text
 that could still become the start of a stop string is held back from the emitted text, so the
 emitted text only ever grows (append-only streaming).
+
+:class:`OutputText` (detokenization + stop strings + hold-back) and :class:`DeltaTracker` (what is new
+since the previous output) are one completion's text state.  They live here once and serve both the
+in-process engine (:class:`~vmkv.engine.sequence.Sequence`) and the server's front process, which
+detokenizes the token ids the engine core process sends (:mod:`vmkv.server.output_processor`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["IncrementalDetokenizer", "find_stop_string", "stop_holdback_len"]
+from vmkv.engine.outputs import CompletionOutput, ListPrefix
+
+__all__ = ["IncrementalDetokenizer", "OutputText", "DeltaTracker", "find_stop_string", "stop_holdback_len"]
 
 #: prompt tokens the first decoding window starts on (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 INITIAL_OFFSET = 5
@@ -99,3 +106,78 @@ def stop_holdback_len(text: str, stop: Sequence[str]) -> int:
                 hold = k
                 break
     return hold
+
+
+class OutputText:
+    """One completion's output text: incremental detokenization, stop strings and the held-back tail.
+
+    Args:
+        tokenizer: as :class:`IncrementalDetokenizer`.
+        prompt_token_ids: the prompt's ids (decoding context for the first output token).
+        stop: stop strings (``None`` or empty: none).
+        skip_special_tokens: leave special tokens out of the text.
+
+    Attributes:
+        text: the decoded output, cut before a stop string once one is found (including a tail
+            that may still become a stop string: see :meth:`emitted`).
+    """
+
+    __slots__ = ("_detok", "_stop", "text")
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] | None,
+                 skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._stop = list(stop or ())
+        self.text = ""
+
+    def add_token(self, token_id: int, final: bool) -> str | None:
+        """Decode one more output token (``final``: it is the last one; flush the decoder).
+
+        Returns:
+            the stop string the new text completed (``text`` is then cut right before it), or ``None``.
+        """
+        delta = self._detok.add_token(token_id)
+        if final:
+            delta += self._detok.flush()
+        if not delta:
+            return None
+        self.text += delta
+        if self._stop:
+            hit = find_stop_string(self.text, self._stop, len(delta))
+            if hit is not None:
+                idx, s = hit
+                self.text = self.text[:idx]
+                return s
+        return None
+
+    def emitted(self, finished: bool) -> str:
+        """Text that may be shown: everything once ``finished``, else without a tail that could be the
+        start of a stop string."""
+        if finished or not self._stop:
+            return self.text
+        hold = stop_holdback_len(self.text, self._stop)
+        return self.text[:len(self.text) - hold] if hold else self.text
+
+
+class DeltaTracker:
+    """How much of a completion its previous output reported; builds the next
+    :class:`~vmkv.engine.outputs.CompletionOutput` with the delta since then in O(new tokens)."""
+
+    __slots__ = ("num_tokens", "num_chars")
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+        self.num_chars = 0
+
+    def output(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+               stop_reason: str | int | None) -> CompletionOutput:
+        """The completion's output now; ``token_ids`` is the append-only list of its output ids (the
+        output holds a :class:`ListPrefix` of it, not a copy)."""
+        num_tokens = len(token_ids)
+        assert len(text) >= self.num_chars, f"emitted text shrank from {self.num_chars} to {len(text)} chars"
+        delta_text = text[self.num_chars:]
+        delta_ids = token_ids[self.num_tokens:]
+        self.num_tokens, self.num_chars = num_tokens, len(text)
+        return CompletionOutput(index=index, text=text, token_ids=ListPrefix(token_ids, num_tokens),
+                                finish_reason=finish_reason, stop_reason=stop_reason,
+                                delta_text=delta_text, delta_token_ids=delta_ids)

@@ -193,6 +193,13 @@ class LLMEngine:
         The aborted request is reported by the next :meth:`step`."""
         self.requests.abort(request_id)
 
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        """Finish completion ``index`` of ``request_id`` with ``"stop"`` and free its KV now (a stop
+        string found outside the engine, with ``SamplingParams.detokenize=False``); ignored for
+        unknown or finished ones.  A request whose last completion this was is reported by the
+        next :meth:`step`."""
+        self.requests.finish_sequence(request_id, index, stop_reason)
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or finished ones not yet reported by :meth:`step`."""
         return bool(self.requests.groups) or self.requests.has_unreported

@@ -95,6 +95,23 @@ class RequestTable:
         self.finish(group, time.perf_counter())
         self._unreported.append(group)
 
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str | int | None) -> None:
+        """Finish completion ``index`` of a request with ``"stop"`` now and free its KV: a stop
+        string found by whoever detokenizes (the server's front process).  The request finishes
+        when it was its last unfinished completion; unknown ids, indices and finished completions
+        are ignored."""
+        group = self.groups.get(request_id)
+        if group is None or group.is_finished:
+            return
+        seq = next((s for s in group.seqs if s.index == index), None)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.drop(seq)
+        seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        if group.is_finished:
+            self.finish(group, time.perf_counter())
+            self._unreported.append(group)
+
     def fail(self, group: SequenceGroup, stage: str, exc: BaseException) -> None:
         """Fail ``group`` because ``exc`` was raised in ``stage``: drop every sequence (KV freed),
         mark unfinished completions ``"error"``; reported with the step's outputs."""

@@ -61,6 +61,9 @@ class SamplingParams:
         ignore_eos: keep generating after the model's EOS token(s).
         skip_special_tokens: leave special tokens out of the output text.
         output_kind: a :class:`RequestOutputKind`: per-step outputs (default) or the final one only.
+        detokenize: decode the output tokens into text (vLLM's ``detokenize``).  ``False``: outputs
+            carry token ids only (``text`` stays ``""``) and ``stop`` must be empty; the server's engine
+            core process runs so, its front process detokenizes and applies stop strings.
     Raises:
         ValueError: a parameter out of range, e.g. ``"temperature must be in [0, 2], got 5"``.
     """
@@ -76,6 +79,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
 
     def __setattr__(self, name: str, value: object) -> None:
         # one spelling of a stop list, whether given to the constructor or assigned later
@@ -127,6 +131,11 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True (got stop={self.stop!r} with detokenize=False); "
+                             "apply them where the text is decoded")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")

@@ -15,7 +15,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from vmkv.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback_len
+from vmkv.engine.detokenizer import DeltaTracker, OutputText
 from vmkv.engine.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,6 +61,7 @@ class Sequence:
         num_computed_tokens: leading tokens whose K/V is in the cache.
         output_token_ids: sampled tokens.
         text: decoded output (including any held-back tail).
+        output_text_state: the :class:`~vmkv.engine.detokenizer.OutputText`, or ``None``.
     """
 
     def __init__(self, seq_id: int, group: "SequenceGroup", index: int) -> None:
@@ -72,15 +73,14 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.text = ""
         self.num_preemptions = 0
-        # how much of the output the request's previous output reported (deltas start there)
-        self._num_reported_tokens = 0
-        self._num_reported_chars = 0
-        self.detokenizer = (
-            IncrementalDetokenizer(group.tokenizer, group.prompt_token_ids,
-                                   group.params.skip_special_tokens)
-            if group.tokenizer is not None else None)
+        self._reported = DeltaTracker()     # deltas start where the request's previous output ended
+        params = group.params
+        #: detokenization and stop strings (``None``: no tokenizer, or ``params.detokenize`` is off and
+        #: whoever reads the token ids does both, as the server's front process does)
+        self.output_text_state = (
+            OutputText(group.tokenizer, group.prompt_token_ids, params.stop, params.skip_special_tokens)
+            if group.tokenizer is not None and params.detokenize else None)
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -138,45 +138,30 @@ class Sequence:
         elif (params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens) \
                 or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
-        if self.detokenizer is None or stopped_by_token:
+        if self.output_text_state is None or stopped_by_token:
             return                      # a stop token's own text is not part of the output
-        delta = self.detokenizer.add_token(token_id)
-        if self.finish_reason is not None:
-            delta += self.detokenizer.flush()
-        if not delta:
-            return
-        self.text += delta
-        if params.stop:
-            hit = find_stop_string(self.text, params.stop, len(delta))
-            if hit is not None:
-                idx, s = hit
-                self.text = self.text[:idx]
-                self.finish_reason, self.stop_reason = "stop", s
+        hit = self.output_text_state.add_token(token_id, final=self.finish_reason is not None)
+        if hit is not None:
+            self.finish_reason, self.stop_reason = "stop", hit
+
+    @property
+    def text(self) -> str:
+        """Decoded output (including any held-back tail); ``""`` without detokenization."""
+        return "" if self.output_text_state is None else self.output_text_state.text
 
     @property
     def output_text(self) -> str:
         """Emitted text: everything once finished, else without a possible stop-string start."""
-        stop = self.group.params.stop
-        if self.finish_reason is not None or not stop:
-            return self.text
-        hold = stop_holdback_len(self.text, stop)
-        return self.text[:len(self.text) - hold] if hold else self.text
+        if self.output_text_state is None:
+            return ""
+        return self.output_text_state.emitted(self.finish_reason is not None)
 
     def completion_output(self) -> CompletionOutput:
         """This completion's output now, with what is new since the previous call as the delta.
         Costs O(new tokens): the cumulative token ids are a :class:`ListPrefix` of the
         append-only ``output_token_ids``, not a copy."""
-        text = self.output_text
-        num_tokens = len(self.output_token_ids)
-        assert len(text) >= self._num_reported_chars, (
-            f"emitted text shrank from {self._num_reported_chars} to {len(text)} chars (seq {self.seq_id})")
-        delta_text = text[self._num_reported_chars:]
-        delta_ids = self.output_token_ids[self._num_reported_tokens:]
-        self._num_reported_tokens, self._num_reported_chars = num_tokens, len(text)
-        return CompletionOutput(index=self.index, text=text,
-                                token_ids=ListPrefix(self.output_token_ids, num_tokens),
-                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-                                delta_text=delta_text, delta_token_ids=delta_ids)
+        return self._reported.output(self.index, self.output_text, self.output_token_ids,
+                                     self.finish_reason, self.stop_reason)
 
 
 class SequenceGroup:

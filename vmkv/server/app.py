@@ -6,7 +6,8 @@ not), ``GET``/``HEAD /health`` (503 saying why when the engine cannot serve), ``
 :mod:`vmkv.server.errors`); a client that disconnects, streamed or not, aborts its engine request so its
 KV is freed at once.  A body larger than ``max_request_bytes`` gets 413 and the connection is closed.
 
-The app's lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
+The app's lifespan starts receiving from the engine core process (:class:`AsyncEngine`; it starts the
+core too if the caller did not) and, at shutdown, ends what is left and stops the core.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
     503: {"model": ErrorResponse}}
 
-#: largest request body accepted (bytes).  Tokenization runs on the engine thread, so a huge prompt
-#: would stall every other request while it is tokenized (30 MB of text: ~40 s on one CPU core).
+#: largest request body accepted (bytes).  Tokenization runs on the front's event loop, so a huge prompt
+#: would stall every other stream while it is tokenized (30 MB of text: ~40 s on one CPU core).
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
@@ -207,7 +208,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     Args:
         async_engine: the engine front; the app sets its ``on_finished`` to record request metrics.
         served_model_name: the ``model`` name clients send; default ``async_engine.model_name``.
-        backend: KV backend name for ``vmkv_server_info``; default read from the engine's KV cache.
+        backend: KV backend name for ``vmkv_server_info``; default the one the engine core reports.
         max_request_bytes: a larger request body gets HTTP 413 (``code="request_too_large"``).
     Raises:
         ValueError: ``max_request_bytes`` < 1.
@@ -215,7 +216,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     served = served_model_name or async_engine.model_name
-    backend = backend or str(getattr(getattr(async_engine.engine, "kv_cache", None), "backend", "")) or "unknown"
+    backend = backend or async_engine.backend
     metrics = ServerMetrics(backend=backend, model=served)
     async_engine.on_finished = metrics.observe_finished
     serving = OpenAIServing(async_engine, served)
@@ -251,8 +252,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        """200 ``{"status": "ok"}`` while the engine serves; 503 with the reason when it cannot (it failed,
-        e.g. a CUDA error poisoned the device, or it is shutting down).  HEAD answers the same, bodiless."""
+        """200 ``{"status": "ok"}`` while the engine serves; 503 with the reason when it cannot (the engine
+        core failed, e.g. a CUDA error poisoned the device, or its process died; or it is shutting down).
+        HEAD answers the same, bodiless."""
         err = async_engine.error
         if err is not None:
             return error_response(OpenAIError(
@@ -266,7 +268,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served, root=async_engine.model_name,
-                                         max_model_len=async_engine.max_model_len)])
+                                         max_model_len=async_engine.max_model_len,
+                                         vocab_size=async_engine.vocab_size)])
 
     @app.get("/metrics")
     async def prometheus() -> Response:

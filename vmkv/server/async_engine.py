@@ -1,68 +1,97 @@
-"""An asyncio front for :class:`~vmkv.engine.llm_engine.LLMEngine`: continuous batching across HTTP requests.
+"""The server's engine front: :class:`AsyncEngine` runs the engine core in a process of its own and
+streams each request's outputs to asyncio.
 
-The engine is not thread-safe, so exactly one background thread (``vmkv-engine``) owns it.  That thread
-loops: run the queued commands (add a request, abort one, read stats, any callable), then, while any
-request is unfinished, run one ``engine.step()`` and hand every :class:`RequestOutput` to the asyncio
-queue of its request with ``loop.call_soon_threadsafe``.  Requests added while a step runs join the
-batch at the next step (iteration-level scheduling, Orca, OSDI'22, section 3.1).
+Two processes, as vLLM v1 and SGLang run a server (``DESIGN.md``, "Server"):
 
-Everything that touches the engine or its tokenizer runs on that thread (HF fast tokenizers raise
-"Already borrowed" when used from two threads at once), so callers pass a callable to :meth:`call`.
+- the **engine core** (:mod:`vmkv.server.engine_core`): scheduler, KV cache, model runner, TP workers;
+  it steps the engine and sends one message per step with every request's new token ids;
+- the **front** (this process): HTTP, tokenization and validation (the engine's own
+  :class:`~vmkv.engine.input_processor.InputProcessor`, built from the tokenizer and model config the core
+  sends once it is ready), detokenization and stop strings (:mod:`vmkv.server.output_processor`), SSE.
 
-Aborts: when the consumer of a :class:`RequestStream` stops early (client disconnect, task cancelled,
-``aclose()``), the stream submits ``engine.abort_request`` to the engine thread, which frees the
-request's KV before the next step.
+Threads of the front: the asyncio loop does everything that touches request state; one receiver thread
+(``vmkv-core-output``) blocks on the core's socket and on the core's process sentinel, decodes each
+message and hands it to the loop with one ``call_soon_threadsafe`` per message.  Messages to the core are
+sent from the loop's thread only (ZMQ sockets are not thread-safe).
 
-Failures: a request that failed in the engine (``RequestOutput.error`` set, see
-:mod:`vmkv.engine.llm_engine`) makes its stream raise :class:`RequestFailedError`; the engine and the
-other requests run on.  Only a fatal error (:func:`vmkv.engine.errors.is_fatal_error`: a CUDA error
-that poisons the context) stops the engine thread: every open stream raises :class:`EngineDeadError`,
-:attr:`AsyncEngine.error` holds the cause, and new requests are refused.
+Lifecycle: :meth:`AsyncEngine.start_core` (blocking, before the event loop: the model loads, and a bad
+option fails the server before it listens), then :meth:`AsyncEngine.start` inside the loop,
+:meth:`AsyncEngine.add_request` / :meth:`AsyncEngine.call`, and :meth:`AsyncEngine.shutdown`, which
+stops the core (message, then SIGTERM, then SIGKILL) so that nothing outlives the server.
+
+Aborts: leaving a :class:`RequestStream` early (client disconnect, cancellation, ``aclose()``) sends an
+abort; the core frees the request's KV before its next step.
+
+Failures: a request that failed in the engine makes its stream raise :class:`RequestFailedError`; the
+engine and the other requests run on.  A fatal error in the core (a CUDA error that poisons the context,
+or repeated step failures), or the core process dying (``kill -9``, the OOM killer), makes every open
+stream raise :class:`EngineDeadError`; :attr:`AsyncEngine.error` holds the cause and new requests are
+refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import dataclasses
+import itertools
 import logging
-import queue
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from vmkv.engine.errors import RequestFailedError, is_fatal_error
+import zmq
+
+from vmkv.engine.errors import InvalidRequestError, RequestFailedError
 from vmkv.engine.outputs import merge_outputs
+from vmkv.engine.sampling_params import RequestOutputKind
+from vmkv.server import core_protocol as proto
+from vmkv.server.output_processor import RequestState
 
-if TYPE_CHECKING:  # the engine imports torch; keep this module importable without it
-    from vmkv.engine.llm_engine import LLMEngine
+if TYPE_CHECKING:
     from vmkv.engine.outputs import RequestOutput
     from vmkv.engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineShutdownError", "RequestFailedError"]
+__all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineShutdownError", "RequestFailedError",
+           "EngineStartupError"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: sentinel put in a request's queue when the engine thread died or shut down
+#: sentinel put in a request's queue when the engine shut down
 _CLOSED = object()
 _NOTHING = object()
+#: seconds the core may take to stop after a Shutdown message, before SIGTERM (then SIGKILL)
+CORE_STOP_TIMEOUT_S = 10.0
 
 
 def _is_output(item: Any) -> bool:
     """A request's queue holds outputs, then maybe an exception or :data:`_CLOSED`."""
     return item is not _CLOSED and not isinstance(item, BaseException)
-#: consecutive non-fatal exceptions out of ``engine.step()`` (an engine that cannot make progress)
-#: after which the engine thread stops as if the error were fatal
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineDeadError(RuntimeError):
-    """``engine.step()`` raised a fatal error (or kept raising); the engine thread stopped and every
-    open request failed."""
+    """The engine core hit a fatal error or its process died; every open request failed."""
 
 
 class EngineShutdownError(RuntimeError):
     """The :class:`AsyncEngine` was shut down (or never started); no new requests are accepted."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not build the engine.
+
+    Attributes:
+        kind: ``"config"`` (a bad option: the message says which) or ``"error"``.
+    """
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class RequestStream:
@@ -79,7 +108,7 @@ class RequestStream:
         RequestFailedError: this request failed in the engine (``.message`` says where and why,
             ``.output`` is its last :class:`RequestOutput`, ``finish_reason="error"``); the engine
             and every other request are unaffected.
-        EngineDeadError: the engine thread failed.
+        EngineDeadError: the engine core process failed or died.
         EngineShutdownError: the engine was shut down before the request finished.
     """
 
@@ -91,12 +120,9 @@ class RequestStream:
         self.finished = False
         self.last: RequestOutput | None = None
 
-    # called on the engine thread
+    # called on the event loop's thread
     def _put(self, item: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        self._queue.put_nowait(item)
 
     def __aiter__(self) -> AsyncIterator["RequestOutput"]:
         return self._iterate()
@@ -142,87 +168,238 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns an :class:`LLMEngine` and drives ``step()`` in one background thread.
+    """The front's handle on an engine core process (see the module docstring).
 
     Args:
-        engine: the engine; after :meth:`start` only the engine thread touches it.
-        on_finished: optional callback ``f(output)`` run on the engine thread for every request that
-            finishes (including aborted ones); used for metrics.  Exceptions in it are logged.
-        close_engine_on_shutdown: call ``engine.close()`` (releases the KV memory) when the engine
-            thread stops.
+        engine_kwargs: ``LLMEngine.from_args`` keywords (:func:`vmkv.engine.args.engine_kwargs`).
+        engine_factory: a picklable callable building the engine from ``engine_kwargs`` in the core
+            (default ``LLMEngine.from_args``); tests wrap the engine with it.
+        on_finished: optional ``f(output)`` run on the event loop for every request that finishes
+            (aborted ones included); used for metrics.  Exceptions in it are logged.
+        log_level: the core process's logging level.
+        torch_threads: ``torch.set_num_threads`` in the core (``--threads``), or None.
+        startup_timeout_s: longest wait for the core to build the engine (seconds).
 
-    Use :meth:`start` inside a running event loop, then :meth:`add_request` / :meth:`generate`, and
-    :meth:`shutdown` at the end.
+    Attributes (after :meth:`start_core`): ``model_name``, ``max_model_len``, ``max_num_seqs``,
+    ``vocab_size``, ``backend``, ``kv_capacity_bytes``, ``tokenizer``, ``processor`` (the
+    :class:`~vmkv.engine.input_processor.InputProcessor` requests are validated with), ``core_pid``.
     """
 
-    def __init__(self, engine: "LLMEngine", *, on_finished: Callable[["RequestOutput"], None] | None = None,
-                 close_engine_on_shutdown: bool = True) -> None:
-        self.engine = engine
-        self.close_engine_on_shutdown = close_engine_on_shutdown
+    def __init__(self, engine_kwargs: dict[str, Any], *, engine_factory: Callable[..., Any] | None = None,
+                 on_finished: Callable[["RequestOutput"], None] | None = None, log_level: str = "info",
+                 torch_threads: int | None = None, startup_timeout_s: float = 3600.0) -> None:
+        self.engine_kwargs = dict(engine_kwargs)
+        self.engine_factory = engine_factory
         self.on_finished = on_finished
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
-            queue.SimpleQueue()
-        )
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._thread: threading.Thread | None = None
+        self.log_level = log_level
+        self.torch_threads = torch_threads
+        self.startup_timeout_s = float(startup_timeout_s)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._ctx: zmq.Context | None = None
+        self._to_core: zmq.Socket | None = None
+        self._from_core: zmq.Socket | None = None
+        self._ipc_dir: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._receiver: threading.Thread | None = None
+        self._wake_r = self._wake_w = -1
+        self._requests: dict[str, tuple[RequestState, RequestStream]] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
         self._stopping = False
+        self._stopped = False
         self._dead: BaseException | None = None
-        self._submit_lock = threading.Lock()
-        self.model_name: str = str(getattr(engine, "model_name", "model"))
-        self.max_model_len: int = int(getattr(engine, "max_model_len", 0))
-        #: sequences the engine runs at once (None: unknown); also the most one request may ask for
-        self.max_num_seqs: int | None = _max_num_seqs(engine)
+        self.model_name = "model"
+        self.max_model_len = 0
+        self.max_num_seqs: int | None = None
+        self.vocab_size = 0
+        self.backend = "unknown"
+        self.kv_capacity_bytes = 0
+        self.tokenizer: Any = None
+        self.processor: Any = None
+        self.core_pid: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    def start_core(self) -> None:
+        """Start the core process and wait until its engine is built (blocking; idempotent).
+
+        Raises:
+            EngineStartupError: building the engine failed (``kind="config"`` for a bad option), the
+                core died while starting, or it took longer than ``startup_timeout_s``.
+        """
+        if self._proc is not None:
+            return
+        from vmkv.engine.input_processor import InputProcessor
+        from vmkv.server.engine_core import run_engine_core
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="vmkv-core-")   # mode 0700: this user's only
+        to_addr = f"ipc://{self._ipc_dir}/to_core"
+        from_addr = f"ipc://{self._ipc_dir}/from_core"
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(to_addr)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.RCVHWM, 0)
+        self._from_core.bind(from_addr)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(target=run_engine_core, name="vmkv-engine-core", daemon=False,
+                                args=(self.engine_kwargs, to_addr, from_addr, os.getpid(), self.engine_factory,
+                                      self.log_level, self.torch_threads))
+        self._proc.start()
+        self.core_pid = self._proc.pid
+        try:
+            ready = self._wait_ready()
+        except BaseException:
+            self._kill_core()
+            self._close_sockets()
+            raise
+        info = pickle.loads(ready.info)
+        self.model_name = str(info["model_name"])
+        self.max_model_len = int(info["max_model_len"])
+        self.max_num_seqs = int(info["max_num_seqs"])
+        self.vocab_size = int(info["vocab_size"])
+        self.backend = str(info["backend"])
+        self.kv_capacity_bytes = int(info["kv_capacity_bytes"])
+        self.tokenizer = info["tokenizer"]
+        self.processor = InputProcessor(self.tokenizer, info["model_config"], self.max_model_len,
+                                        max_num_seqs=self.max_num_seqs, model_name=self.model_name)
+
+    def _wait_ready(self) -> Any:
+        poller = zmq.Poller()
+        poller.register(self._from_core, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineStartupError(f"the engine core did not start within {self.startup_timeout_s:g} s")
+            events = dict(poller.poll(min(left, 1.0) * 1000))
+            if self._from_core in events:
+                msg = proto.from_core_decoder.decode(self._from_core.recv())
+                if isinstance(msg, proto.Ready):
+                    return msg
+                if isinstance(msg, proto.StartupFailed):
+                    raise EngineStartupError(msg.message, msg.kind)
+                continue
+            if self._proc.sentinel in events or not self._proc.is_alive():
+                self._proc.join(1)
+                raise EngineStartupError(f"the engine core process exited while starting "
+                                         f"({_exit_text(self._proc.exitcode)})")
+
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._receiver is not None and self._dead is None and not self._stopping and not self._stopped
 
     @property
     def error(self) -> BaseException | None:
-        """The exception that killed the engine thread, if any."""
+        """Why the engine core failed or died, if it did."""
         return self._dead
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is not None:
+        """Start receiving outputs on the running event loop (starts the core first if needed)."""
+        if self._receiver is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
-        self._thread.start()
+        self.start_core()
+        self._loop = asyncio.get_running_loop()
+        self._wake_r, self._wake_w = os.pipe()
+        self._receiver = threading.Thread(target=self._receive, name="vmkv-core-output", daemon=True)
+        self._receiver.start()
 
-    async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort every open request, stop the engine thread and wait for it (at most ``timeout_s``)."""
-        if self._thread is None:
+    async def shutdown(self, timeout_s: float = CORE_STOP_TIMEOUT_S) -> None:
+        """End every open request (:class:`EngineShutdownError`), stop the core (Shutdown message, then
+        SIGTERM, then SIGKILL after ``timeout_s`` each) and wait for it.  Idempotent."""
+        if self._stopped or self._proc is None:
             return
-        with self._submit_lock:
-            self._stopping = True
-        self._commands.put((lambda: None, None))  # wake the thread if it is idle
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
-        if self._thread.is_alive():
-            logger.warning("engine thread did not stop within %.1f s", timeout_s)
+        self._stopping = True
+        for state, stream in list(self._requests.values()):
+            stream._put(_CLOSED)
+        self._requests.clear()
+        self._fail_calls(EngineShutdownError("engine shut down"))
+        if self._dead is None:
+            self._send(proto.Shutdown())
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_core, timeout_s)
+        self._stopped = True
 
-    # ------------------------------------------------------------------ commands
-    async def call(self, fn: Callable[["LLMEngine"], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between two steps and return its result.
+    def _stop_core(self, timeout_s: float) -> None:
+        proc = self._proc
+        proc.join(timeout_s)
+        if proc.is_alive():
+            logger.warning("engine core did not stop within %.1f s; sending SIGTERM", timeout_s)
+            self._kill_core(timeout_s)
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")          # the receiver thread stops
+        if self._receiver is not None:
+            self._receiver.join(5)
+        self._close_sockets()
 
-        Raises:
-            whatever ``fn`` raises; EngineShutdownError / EngineDeadError when the thread is gone.
-        """
-        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+    def _kill_core(self, timeout_s: float = 5.0) -> None:
+        proc = self._proc
+        if proc is None or not proc.is_alive():
+            return
+        proc.terminate()
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout_s)
 
-    def _submit(self, fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        # under the lock, so no command slips in after the thread's last drain (it would never run)
-        with self._submit_lock:
-            self._check_alive()
-            self._commands.put((fn, fut))
-        return fut
+    def _close_sockets(self) -> None:
+        for sock in (self._to_core, self._from_core):
+            if sock is not None:
+                sock.close(linger=0)
+        self._to_core = self._from_core = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
+    def close_sync(self) -> None:
+        """Stop the core without an event loop (a server that never started serving)."""
+        if self._proc is None or self._stopped:
+            return
+        if self._dead is None and self._to_core is not None:
+            self._send(proto.Shutdown())
+        self._stop_core(CORE_STOP_TIMEOUT_S)
+        self._stopped = True
+
+    # ------------------------------------------------------------------ sending
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine thread failed: {self._dead!r}") from self._dead
-        if self._thread is None or self._stopping or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine core failed: {self._dead}") from self._dead
+        if self._receiver is None or self._stopping or self._stopped:
             raise EngineShutdownError("the engine is not running (shut down or not started)")
+
+    def _send(self, msg: Any) -> None:
+        """Send one message to the core (event loop thread only)."""
+        if self._to_core is None:
+            return
+        try:
+            self._to_core.send(proto.encoder.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            logger.warning("could not send %s to the engine core: %s", type(msg).__name__, exc)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` in the core between two steps and return its result.  ``fn`` and
+        ``args`` must pickle (a module-level function): they cross the process boundary.
+
+        Raises:
+            whatever ``fn`` raises; EngineShutdownError / EngineDeadError when the core is gone.
+        """
+        self._check_alive()
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(proto.Utility(call_id, pickle.dumps((fn, args))))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
 
     async def add_request(
         self,
@@ -233,42 +410,34 @@ class AsyncEngine:
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
-        prepare: Callable[["LLMEngine"], tuple[str | None, list[int] | None, "SamplingParams"]] | None = None,
+        prepare: Callable[[Any], tuple[str | None, list[int] | None, "SamplingParams"]] | None = None,
     ) -> RequestStream:
-        """Add a request to the engine and return its stream.
+        """Validate and tokenize a request here, send it to the core and return its stream.
 
-        Either give ``params`` (and ``prompt`` and/or ``prompt_token_ids``), or ``prepare``: a callable run
-        on the engine thread right before ``engine.add_request`` that returns ``(prompt,
-        prompt_token_ids, params)`` (use it to tokenize or apply a chat template without a second hop).
-        ``cache_salt`` is passed to ``engine.add_request`` (prefix-cache isolation between tenants).
+        Either give ``params`` (and ``prompt`` and/or ``prompt_token_ids``), or ``prepare``: a callable
+        ``prepare(processor) -> (prompt, prompt_token_ids, params)`` run first with :attr:`processor`
+        (tokenize, apply a chat template, check limits).  ``cache_salt`` isolates prefix caches.
 
         Raises:
-            ValueError (incl. PromptTooLongError) from ``prepare`` or ``engine.add_request``; nothing is
-            added then.  EngineShutdownError / EngineDeadError when the engine is not running.
+            ValueError (incl. PromptTooLongError, InvalidRequestError) from ``prepare`` or the
+            validation; nothing is sent then.  EngineShutdownError / EngineDeadError when the core is
+            not running.
         """
         if prepare is None and params is None:
             raise ValueError("add_request needs params or prepare")
+        self._check_alive()
+        if prepare is not None:
+            prompt, prompt_token_ids, params = prepare(self.processor)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        req = self.processor.process(prompt, params, prompt_token_ids, cache_salt)
+        arrival = time.perf_counter() if arrival_time is None else float(arrival_time)
+        state = RequestState(request_id, req.prompt, req.prompt_token_ids, req.params, self.tokenizer, arrival)
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-
-        def _add() -> None:
-            if prepare is not None:
-                p, ids, sp = prepare(self.engine)
-            else:
-                p, ids, sp = prompt, prompt_token_ids, params
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already running; use a unique id")
-            self.engine.add_request(request_id, p, sp, prompt_token_ids=ids, arrival_time=arrival_time,
-                                    cache_salt=cache_salt)
-            self._streams[request_id] = stream
-
-        fut = self._submit(_add)
-        try:
-            await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            # the caller went away while the add was queued or running: undo it if it happened
-            if not fut.cancelled():
-                self.abort(request_id)
-            raise
+        core_params = dataclasses.replace(req.params, stop=None, detokenize=False,
+                                          output_kind=RequestOutputKind.DELTA)
+        self._requests[request_id] = (state, stream)
+        self._send(proto.AddRequest(request_id, req.prompt_token_ids, core_params, arrival, req.cache_salt))
         return stream
 
     async def generate(self, request_id: str, prompt: str | None, params: "SamplingParams",
@@ -279,145 +448,135 @@ class AsyncEngine:
             yield out
 
     def abort(self, request_id: str) -> None:
-        """Abort ``request_id`` on the engine thread (non-blocking, idempotent, safe from any thread)."""
-        if self._thread is None or not self._thread.is_alive():
+        """Abort ``request_id`` (non-blocking, idempotent; from any thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
             return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._abort(request_id)
+        else:
+            loop.call_soon_threadsafe(self._abort, request_id)
 
-        def _abort() -> None:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
-
-        self._commands.put((_abort, None))
+    def _abort(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None and self._dead is None and not self._stopped:
+            self._send(proto.Abort([request_id]))
 
     async def get_stats(self) -> Any:
-        """``engine.get_stats()`` read on the engine thread (a consistent snapshot)."""
-        return await self.call(lambda e: e.get_stats())
+        """``engine.get_stats()`` read in the core (a consistent snapshot between two steps)."""
+        return await self.call(_get_stats)
 
-    # ------------------------------------------------------------------ engine thread
-    def _run_command(self, fn: Callable[[], Any], fut: concurrent.futures.Future | None) -> None:
-        if fut is not None and not fut.set_running_or_notify_cancel():
-            return
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            if fut is not None:
-                fut.set_exception(exc)
-            else:
-                logger.exception("engine command failed")
-        else:
-            if fut is not None:
-                fut.set_result(result)
-
-    def _idle(self) -> None:
-        """No request: let the engine give idle KV memory back (vmem shrink), at most every
-        ``_drain``'s 0.5 s wait; a failure there is logged, a fatal one stops the thread."""
-        try:
-            self.engine.idle()
-        except Exception as exc:
-            if is_fatal_error(exc):
-                raise
-            logger.warning("engine.idle() failed (ignored): %r", exc)
-
-    def _drain(self, block: bool) -> None:
-        try:
-            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
+    # ------------------------------------------------------------------ receiving
+    def _receive(self) -> None:
+        """Receiver thread: wait on the core's socket, its process sentinel and the wake-up pipe."""
+        poller = zmq.Poller()
+        poller.register(self._from_core, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        loop = self._loop
         while True:
-            self._run_command(*item)
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
+            events = dict(poller.poll())
+            if self._wake_r in events:
+                return
+            if self._from_core in events:
+                while True:
+                    try:
+                        frame = self._from_core.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    msg = proto.from_core_decoder.decode(frame.buffer)
+                    if not _post(loop, self._on_message, msg):
+                        return
+                continue
+            if self._proc.sentinel in events:
+                self._proc.join(1)
+                _post(loop, self._on_core_exit, self._proc.exitcode)
                 return
 
-    def _dispatch(self, outputs: list["RequestOutput"]) -> None:
-        for out in outputs:
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, proto.StepOutputs):
+            self._on_outputs(msg.outputs)
+        elif isinstance(msg, proto.UtilityResult):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                value = pickle.loads(msg.payload)
+                if msg.ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        elif isinstance(msg, proto.Rejected):
+            entry = self._requests.pop(msg.request_id, None)
+            if entry is not None:
+                entry[1]._put(InvalidRequestError(msg.message, param=msg.param))
+        elif isinstance(msg, proto.EngineFailed):
+            self._die(EngineDeadError(f"engine core failed: {msg.message}"))
+
+    def _on_outputs(self, deltas: list[Any]) -> None:
+        stops: list[tuple[str, int, str]] = []
+        for delta in deltas:
+            entry = self._requests.get(delta.request_id)
+            if entry is None:
+                continue                         # aborted here, or finished here by a stop string
+            state, stream = entry
+            out, hits = state.update(delta)
+            stops.extend((delta.request_id, index, s) for index, s in hits)
+            if out is None:
+                continue
             if out.finished:
-                stream = self._streams.pop(out.request_id, None)
+                del self._requests[delta.request_id]
                 if self.on_finished is not None:
                     try:
                         self.on_finished(out)
-                    except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                    except Exception:  # noqa: BLE001 - metrics must never stop the front
                         logger.exception("on_finished callback failed for %s", out.request_id)
-            else:
-                stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream._put(RequestFailedError(out.request_id, out.error, out)
-                            if out.finished and getattr(out, "error", None) else out)
+            stream._put(RequestFailedError(out.request_id, out.error, out) if out.finished and out.error else out)
+        if stops:
+            self._send(proto.FinishSequences(stops))
 
-    def _run(self) -> None:
-        logger.info("engine thread started")
-        num_failed_steps = 0
-        try:
-            while not self._stopping:
-                busy = self.engine.has_unfinished_requests()
-                self._drain(block=not busy)
-                if self._stopping:
-                    break
-                if not busy and not self.engine.has_unfinished_requests():
-                    self._idle()
-                if self.engine.has_unfinished_requests():
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as exc:
-                        num_failed_steps += 1
-                        if is_fatal_error(exc) or num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
-                            raise
-                        self._fail_open_requests(exc)
-                        continue
-                    num_failed_steps = 0
-                    self._dispatch(outputs)
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
-            logger.exception("engine thread failed; failing all open requests")
-            with self._submit_lock:
-                self._dead = exc
-            err = EngineDeadError(f"engine step failed: {exc!r}")
-            for stream in self._streams.values():
-                stream._put(err)
-            self._streams.clear()
-            self._fail_pending(err)
-        else:
-            # graceful stop: abort what is left so the KV is freed, and end every stream
-            for request_id, stream in list(self._streams.items()):
-                try:
-                    self.engine.abort_request(request_id)
-                except Exception:  # noqa: BLE001
-                    logger.exception("abort of %s during shutdown failed", request_id)
-                stream._put(_CLOSED)
-            self._streams.clear()
-            self._fail_pending(EngineShutdownError("engine shut down"))
-        if self.close_engine_on_shutdown and hasattr(self.engine, "close"):
-            try:
-                self.engine.close()
-            except Exception:  # noqa: BLE001
-                logger.exception("engine.close() failed")
-        logger.info("engine thread stopped")
+    def _on_core_exit(self, exitcode: int | None) -> None:
+        if self._stopping or self._stopped:
+            return
+        self._die(EngineDeadError(f"the engine core process exited unexpectedly ({_exit_text(exitcode)})"))
 
-    def _fail_open_requests(self, exc: Exception) -> None:
-        """``engine.step()`` raised a non-fatal error it did not attribute (``LLMEngine.step`` does
-        that itself; this covers other engines): fail and abort every open request, keep running."""
-        logger.error("engine step failed (%r); failing the %d open request(s)", exc, len(self._streams),
-                     exc_info=exc)
-        for request_id, stream in list(self._streams.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001
-                logger.exception("abort of %s after a failed step failed", request_id)
-            stream._put(RequestFailedError(request_id, f"request {request_id} failed: engine step "
-                                                       f"raised {type(exc).__name__}: {exc}"))
-        self._streams.clear()
+    def _die(self, err: EngineDeadError) -> None:
+        if self._dead is not None:
+            return
+        logger.error("%s; failing %d open request(s)", err, len(self._requests))
+        self._dead = err
+        for _state, stream in self._requests.values():
+            stream._put(err)
+        self._requests.clear()
+        self._fail_calls(err)
 
-    def _fail_pending(self, err: BaseException) -> None:
-        while True:
-            try:
-                fn, fut = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if fut is not None and fut.set_running_or_notify_cancel():
+    def _fail_calls(self, err: BaseException) -> None:
+        for fut in self._calls.values():
+            if not fut.done():
                 fut.set_exception(err)
+        self._calls.clear()
 
 
-def _max_num_seqs(engine: Any) -> int | None:
-    """The engine's ``max_num_seqs`` (its scheduler config), or None if it has none."""
-    value = getattr(getattr(getattr(engine, "config", None), "scheduler", None), "max_num_seqs", None)
-    return int(value) if isinstance(value, int) else None
+def _get_stats(engine: Any) -> Any:
+    return engine.get_stats()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """``loop.call_soon_threadsafe(fn, *args)``; False when the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _exit_text(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"

@@ -3,7 +3,9 @@
     vmkv serve [--model PATH] [--backend paged|vmem] [--host 127.0.0.1] [--port 8000] [engine knobs]
 
 The engine knobs are the ones ``vmkv generate`` takes too (:mod:`vmkv.engine.args`); their defaults
-come from :mod:`vmkv.engine.config`.  On SIGINT/SIGTERM the server stops accepting connections and
+come from :mod:`vmkv.engine.config`.  The engine (scheduler, KV cache, model runner, TP workers) runs in
+a process of its own, the engine core (:mod:`vmkv.server.engine_core`); this process serves HTTP,
+tokenizes, detokenizes and applies stop strings (:mod:`vmkv.server.async_engine`).  On SIGINT/SIGTERM the server stops accepting connections and
 lets running requests finish for ``--graceful-timeout`` seconds; then it stops the engine, which ends
 what is still running with HTTP 503 (an error event and ``[DONE]`` on a stream), and exits
 (:mod:`vmkv.server.http_server`).  A client that does not send a complete request head within
@@ -18,7 +20,7 @@ import logging
 import signal
 import sys
 
-from vmkv.engine.args import add_engine_args, apply_threads, engine_kwargs, parse_size
+from vmkv.engine.args import add_engine_args, engine_kwargs, parse_size
 from vmkv.server.http_server import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, build_server
 
 __all__ = ["add_arguments", "run", "engine_kwargs"]
@@ -78,34 +80,32 @@ def _seconds(minimum: float | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, build the engine and serve until SIGINT/SIGTERM.  Returns the exit code."""
-    from vmkv.engine.llm_engine import LLMEngine
+    """Start the engine core process, then serve until SIGINT/SIGTERM.  Returns the exit code."""
     from vmkv.server.app import build_app
-    from vmkv.server.async_engine import AsyncEngine
+    from vmkv.server.async_engine import AsyncEngine, EngineStartupError
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    apply_threads(args)
+    engine = AsyncEngine(engine_kwargs(args), log_level=args.log_level, torch_threads=getattr(args, "threads", None))
     try:
-        engine = LLMEngine.from_args(**engine_kwargs(args))
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+        engine.start_core()
+    except EngineStartupError as exc:
         print(f"vmkv serve: cannot start the engine: {exc}", file=sys.stderr)
-        return 2
-    served = args.served_model_name or engine.model_name
-    app = build_app(AsyncEngine(engine), served, backend=args.backend,
-                    max_request_bytes=args.max_request_bytes)
-    u = engine.kv_cache.usage()
-    print(f"vmkv serve: model {served} ({engine.model_name}), backend {args.backend}, "
-          f"max_model_len {engine.max_model_len}, KV capacity {u.capacity_bytes / 2**20:.1f} MiB; "
-          f"listening on http://{args.host}:{args.port}/v1", flush=True)
-    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level,
-                          graceful_timeout_s=args.graceful_timeout, header_timeout_s=args.header_timeout,
-                          body_timeout_s=args.body_timeout,
-                          access_log=False)
-    server.run()  # SIGINT/SIGTERM: graceful shutdown, then the app's lifespan stops the engine thread
+        return 2 if exc.kind == "config" else 1
+    try:
+        served = args.served_model_name or engine.model_name
+        app = build_app(engine, served, backend=args.backend, max_request_bytes=args.max_request_bytes)
+        print(f"vmkv serve: model {served} ({engine.model_name}), backend {args.backend}, "
+              f"max_model_len {engine.max_model_len}, KV capacity {engine.kv_capacity_bytes / 2**20:.1f} MiB, "
+              f"engine core pid {engine.core_pid}; listening on http://{args.host}:{args.port}/v1", flush=True)
+        server = build_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                              graceful_timeout_s=args.graceful_timeout, header_timeout_s=args.header_timeout,
+                              body_timeout_s=args.body_timeout, access_log=False)
+        server.run()  # SIGINT/SIGTERM: graceful shutdown, then the app's lifespan stops the engine core
+    finally:
+        engine.close_sync()   # the core never outlives this process (a no-op after the lifespan's shutdown)
     if server.received_signal is not None:
         print(f"vmkv serve: stopped ({signal.Signals(server.received_signal).name})", flush=True)
     else:
         print("vmkv serve: stopped", flush=True)
     return 0 if server.started else 1
-

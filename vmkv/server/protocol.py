@@ -566,6 +566,9 @@ class ModelCard(BaseModel):
     owned_by: str = "vmkv"
     root: str | None = None
     max_model_len: int | None = None
+    #: the model's vocabulary size (token ids are in ``[0, vocab_size)``): load clients sending token-id
+    #: prompts read it here (a vmkv extension; OpenAI clients ignore unknown fields)
+    vocab_size: int | None = None
 
 
 class ModelList(BaseModel):

@@ -1,9 +1,10 @@
 """Request handling of ``/v1/completions`` and ``/v1/chat/completions`` on top of :class:`AsyncEngine`.
 
 A request becomes one engine request per prompt (``n`` completions each, forked by the engine).
-Tokenization, the chat template and the context-length check run on the engine thread inside the
-``prepare`` callable of :meth:`AsyncEngine.add_request`, so a bad request is rejected (HTTP 400) before
-anything is streamed, and the tokenizer is only ever used by one thread.
+Tokenization, the chat template and the context-length check run in this (the front) process inside
+the ``prepare`` callable of :meth:`AsyncEngine.add_request`, with the engine's own
+:class:`~vmkv.engine.input_processor.InputProcessor`, so a bad request is rejected (HTTP 400) before
+anything is streamed or sent to the engine core.
 
 Streaming replies are Server-Sent Events: ``data: <chunk JSON>\\n\\n`` per chunk, whose text is the
 engine output's ``delta_text`` (O(new tokens) per step, not the whole text), a final usage chunk with
@@ -80,6 +81,8 @@ def engine_error(exc: BaseException) -> OpenAIError:
                                 "retry it", code="engine_unavailable")
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine failed and cannot serve requests: {exc}", code="engine_unavailable")
+    if isinstance(exc, ValueError):       # the engine core refused the request (its own validation)
+        return OpenAIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value")
     if isinstance(exc, RequestFailedError):
         return OpenAIError(500, f"this request failed in the engine: {exc.message}", code="internal_error")
     logger.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
@@ -153,7 +156,7 @@ class OpenAIServing:
         """One request may ask for at most ``max_num_seqs`` sequences (prompts x ``n``): the engine runs
         that many at once, and a request beyond it (``[[1]] * 1000`` with ``n`` 64: 64,000 sequences
         from 5 KB) would hold every other request back for minutes.  ``n`` alone is checked against
-        the same limit on the engine thread (:meth:`_sampling_params`).
+        the same limit when the request is prepared (:meth:`_sampling_params`).
 
         Raises:
             OpenAIError(400): ``num_prompts * n > max_num_seqs``; ``param`` is ``prompt`` (or ``n``
@@ -171,8 +174,8 @@ class OpenAIServing:
                                "requests", param="prompt", code="invalid_value")
 
     @staticmethod
-    def _sampling_params(req: SamplingRequestFields, max_tokens: int, engine: Any) -> Any:
-        """Engine ``SamplingParams`` of a request (engine thread).
+    def _sampling_params(req: SamplingRequestFields, max_tokens: int, processor: Any) -> Any:
+        """Engine ``SamplingParams`` of a request (``processor``: the engine's InputProcessor).
 
         Raises:
             OpenAIError(400): ``n`` above the engine's ``max_num_seqs`` (all ``n`` completions run
@@ -180,13 +183,13 @@ class OpenAIServing:
         """
         from vmkv.engine.sampling_params import SamplingParams
 
-        max_num_seqs = getattr(getattr(getattr(engine, "config", None), "scheduler", None), "max_num_seqs", None)
+        max_num_seqs = processor.max_num_seqs
         if max_num_seqs is not None and req.n > max_num_seqs:
             raise OpenAIError(400, f"n={req.n} exceeds this server's max_num_seqs={max_num_seqs}; ask for "
                                    f"at most {max_num_seqs} completions per prompt",
                               param="n", code="invalid_value")
 
-        vocab = int(getattr(getattr(engine, "model_config", None), "vocab_size", 0) or 0)
+        vocab = int(processor.vocab_size or 0)
         bad = [t for t in req.stop_token_ids or () if vocab and t >= vocab]
         if bad:
             raise OpenAIError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab - 1}] of the "
@@ -237,26 +240,26 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 info = _Prepared()
 
-                def prepare(engine: Any, prompt: str | list[int] = prompt, info: _Prepared = info) -> tuple:
+                def prepare(processor: Any, prompt: str | list[int] = prompt, info: _Prepared = info) -> tuple:
                     if isinstance(prompt, str):
-                        ids = _encode(engine, prompt)
+                        ids = list(processor.encode(prompt))
                         info.prompt_text = prompt
                     else:
                         ids = list(prompt)
-                        vocab = int(engine.model_config.vocab_size)
+                        vocab = int(processor.vocab_size)
                         bad = [t for t in ids if t >= vocab]
                         if bad:
                             raise OpenAIError(400, f"prompt: token id {bad[0]} is out of range "
                                                    f"[0, {vocab - 1}] of the vocabulary",
                                               param="prompt", code="invalid_value")
-                        info.prompt_text = engine.tokenizer.decode(ids) if req.echo and \
-                            engine.tokenizer is not None else None
+                        info.prompt_text = processor.tokenizer.decode(ids) if req.echo and \
+                            processor.tokenizer is not None else None
                     info.prompt_len = len(ids)
                     max_tokens = self._max_tokens(len(ids), req.max_tokens if explicit else None,
-                                                  COMPLETION_DEFAULT_MAX_TOKENS, engine.max_model_len,
+                                                  COMPLETION_DEFAULT_MAX_TOKENS, processor.max_model_len,
                                                   "prompt", "max_tokens")
                     return (prompt if isinstance(prompt, str) else None, ids,
-                            self._sampling_params(req, max_tokens, engine))
+                            self._sampling_params(req, max_tokens, processor))
 
                 streams.append(await self._add(f"{request_id}-{i}", prepare, "prompt", arrival, req.cache_salt))
                 infos.append(info)
@@ -321,13 +324,13 @@ class OpenAIServing:
         messages = req.message_dicts()
         info = _Prepared()
 
-        def prepare(engine: Any) -> tuple:
-            ids = list(engine.apply_chat_template(messages))
+        def prepare(processor: Any) -> tuple:
+            ids = list(processor.apply_chat_template(messages))
             info.prompt_len = len(ids)
-            max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, None, engine.max_model_len,
+            max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, None, processor.max_model_len,
                                           "messages", "max_completion_tokens"
                                           if req.max_completion_tokens is not None else "max_tokens")
-            return None, ids, self._sampling_params(req, max_tokens, engine)
+            return None, ids, self._sampling_params(req, max_tokens, processor)
 
         return await self._add(request_id, prepare, "messages", arrival, req.cache_salt), info
 
@@ -370,17 +373,6 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
             yield sse(error_body(engine_error(exc)))
         yield SSE_DONE
-
-
-def _encode(engine: Any, prompt: str) -> list[int]:
-    """Token ids of a completion prompt, the way the engine would tokenize it (engine thread only)."""
-    encode = getattr(engine, "encode", None) or getattr(engine, "tokenize", None)
-    if callable(encode):
-        return list(encode(prompt))
-    if engine.tokenizer is None:
-        raise OpenAIError(400, "this model has no tokenizer; send prompt as a list of token ids",
-                          param="prompt", code="invalid_value")
-    return list(engine.tokenizer.encode(prompt))
 
 
 def _usage(finals: list["RequestOutput"]) -> UsageInfo:

@@ -250,6 +250,11 @@ def test_auto_picks_triton_on_cuda_and_the_reference_elsewhere(monkeypatch):
     ref.rotary_embedding_ref(positions, q_ref, k_ref, _inv_freq(16))
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     assert torch.equal(act, ref.silu_and_mul_ref(gate_up))
+    # the spies see launches (so ``launched == []`` above says something): impl="triton" launches each
+    fused_ops.rms_norm(x, w, EPS, impl="triton")
+    fused_ops.rotary_embedding(positions, q, k, _inv_freq(16), impl="triton")
+    fused_ops.silu_and_mul(gate_up, impl="triton")
+    assert launched == ["_launch_norm", "_launch_rotary", "_launch_silu_and_mul"]
 
 
 def test_auto_sends_float64_to_the_reference():

@@ -12,7 +12,12 @@ Positions past the prompt, and sequences without token ids, get fresh random dat
 Hash collisions: half the runs start with the unit hash replaced by a constant, and the
 ``weaken_hash`` rule does the same in the middle of a run, so every lookup lands in a bucket that
 also holds other prompts' units.  A hit is still only
-legal for a prefix some sequence wrote, and every gathered K/V must equal the shadow's.
+legal for a prefix some sequence wrote, and every gathered K/V must equal the shadow's.  The
+constant replaces :func:`vmkv.kvcache.hashing.hash_unit_bytes`, the function ``unit_keys`` calls
+for every unit; each test asserts that the weak hash was called and that the caches' prefix
+indexes counted collisions (``PrefixIndex.num_collisions``: a run under the constant hash ends
+with a probe that must make exactly one), so the injection cannot silently stop reaching the code
+again (it replaced ``prefix.hash_unit``, which nothing has called since 4e9d407, until issue 25).
 """
 
 from __future__ import annotations
@@ -46,15 +51,26 @@ from kvcache_cases import (
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: vmem drivers validate every call
 from vmkv import KVCacheFullError, StepSeq
 from vmkv.kernels.reference import attention_one_seq_ref
-from vmkv.kvcache import prefix as prefix_mod
+from vmkv.kvcache import hashing as hashing_mod
 from vmkv.vmem.checked_driver import CheckedDriver
 
-STRONG_HASH = prefix_mod.hash_unit
+STRONG_HASH = hashing_mod.hash_unit_bytes
+
+#: per test: calls of :func:`weak_hash`, collisions the caches' prefix indexes met (the rules'
+#: and :meth:`KVCacheMachine.probe_collision`'s), and the probes run
+INJECTED = {"weak_hash_calls": 0, "index_collisions": 0, "probes": 0}
 
 
-def weak_hash(parent_hash: bytes, token_ids, extra: bytes) -> bytes:
-    """No hash at all: every unit of every prompt collides with every other."""
-    return bytes(prefix_mod.HASH_BYTES)
+def weak_hash(parent_hash: bytes, num_tokens: int, packed, extra: bytes) -> bytes:
+    """No hash at all: every unit of every prompt collides with every other (the signature of
+    :func:`vmkv.kvcache.hashing.hash_unit_bytes`)."""
+    INJECTED["weak_hash_calls"] += 1
+    return bytes(hashing_mod.HASH_BYTES)
+
+
+def set_unit_hash(fn) -> None:
+    """Make ``unit_keys`` (hence every prefix lookup and registration) hash units with ``fn``."""
+    hashing_mod.hash_unit_bytes = fn
 
 NUM_HEADS = 4 * SPEC.num_kv_heads
 VOCAB = 4  # tiny vocabulary so prompts share prefixes
@@ -127,7 +143,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.written_prefixes: set[tuple] = set()
         self.prompts_seen: list[tuple] = []
         self._det: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        prefix_mod.hash_unit = STRONG_HASH
+        set_unit_hash(STRONG_HASH)
 
     # ------------------------------------------------------------------ data
     def det_kv(self, prefix: tuple, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,14 +401,14 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(weak=st.booleans())
     def choose_hash(self, weak: bool) -> None:
-        prefix_mod.hash_unit = weak_hash if weak else STRONG_HASH
+        set_unit_hash(weak_hash if weak else STRONG_HASH)
 
-    @precondition(lambda self: prefix_mod.hash_unit is STRONG_HASH)
+    @precondition(lambda self: hashing_mod.hash_unit_bytes is STRONG_HASH)
     @rule()
     def weaken_hash(self) -> None:
         """Inject hash collisions from now on: units cached so far keep their strong hashes,
         new lookups and registrations use a constant hash."""
-        prefix_mod.hash_unit = weak_hash
+        set_unit_hash(weak_hash)
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -411,6 +427,26 @@ class KVCacheMachine(RuleBasedStateMachine):
                     raise AssertionError(f"seq {sid} layer {layer}: wrong K/V at positions {bad}")
         check_usage(self.cache, {s: sh.seq_len for s, sh in self.seqs.items()}, shared=True)
 
+    def probe_collision(self) -> None:
+        """Did the injection fire: under the constant hash a prompt never seen lands in the bucket
+        of the one cached just before it, so its lookup counts exactly one collision and hits
+        nothing (tokens ``VOCAB`` and ``VOCAB + 1``: no rule ever draws them)."""
+        n = min(self.mml, 2 * self.unit + 1)
+        if self.unit == 0 or n - 1 < self.unit:
+            return
+        first = 20_000
+        assert self.cache.allocate(first, n, token_ids=[VOCAB] * n) == 0
+        meta = self.cache.prepare([StepSeq(first, 0, n)])
+        for layer in range(SPEC.num_layers):
+            k, v = torch.randn(2, n, SPEC.num_kv_heads, SPEC.head_dim, generator=self.gen)
+            self.cache.write_kv(layer, k, v, meta)
+        self.cache.free(first)
+        before = self.cache.prefix.num_collisions
+        assert self.cache.allocate(first + 1, n, token_ids=[VOCAB + 1] * n) == 0
+        assert self.cache.prefix.num_collisions == before + 1, "the constant hash made no collision"
+        self.cache.free(first + 1)
+        INJECTED["probes"] += 1
+
     def teardown(self) -> None:
         try:
             for sid in list(self.seqs):
@@ -419,17 +455,29 @@ class KVCacheMachine(RuleBasedStateMachine):
             u = check_usage(self.cache, {})
             assert u.free_tokens == self.free0, (u, self.free0)
             self.cache.check_integrity()
+            if hashing_mod.hash_unit_bytes is weak_hash:
+                self.probe_collision()
             ids = allocate_capacity(self.cache, self.pool0, first_id=10_000)
             assert not self.cache.can_allocate(1)
             for sid in ids:
                 self.cache.free(sid)
             self.cache.check_integrity()
         finally:
-            prefix_mod.hash_unit = STRONG_HASH
+            INJECTED["index_collisions"] += self.cache.prefix.num_collisions
+            set_unit_hash(STRONG_HASH)
             self.cache.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_kvcache_state_machine(case):
     machine = type(f"KVCacheMachine_{case.name.replace('-', '_')}", (KVCacheMachine,), {"case": case})
-    run_state_machine_as_test(machine, settings=SM_SETTINGS)
+    INJECTED.update(weak_hash_calls=0, index_collisions=0, probes=0)
+    try:
+        run_state_machine_as_test(machine, settings=SM_SETTINGS)
+    finally:
+        set_unit_hash(STRONG_HASH)
+    # did the injection fire: the weak hash reached unit_keys, and lookups met colliding entries
+    assert INJECTED["weak_hash_calls"] > 0, "weak_hash was never called: the collision injection " \
+        "patches a function the prefix index no longer calls"
+    assert INJECTED["probes"] > 0 and INJECTED["index_collisions"] >= INJECTED["probes"], \
+        f"no hash collision met in {case.name}: {INJECTED}"

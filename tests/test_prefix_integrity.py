@@ -2,9 +2,11 @@
 
 The unit hash is 256-bit sha256 over a typed, length-prefixed encoding; every hit is verified
 against the unit's token ids, extra key and parent entry (``vmkv.kvcache.prefix.PrefixIndex``, the
-one place both backends use).  Collisions are injected by replacing ``hashing.hash_unit`` with a
-constant: every unit of every prompt then lands in one bucket, and each backend must still serve
-every sequence only its own K/V, stay consistent and raise nothing.
+one place both backends use).  Collisions are injected by replacing ``hashing.hash_unit_bytes``
+(what ``unit_keys`` calls for every unit) with a constant: every unit of every prompt then lands in
+one bucket, and each backend must still serve every sequence only its own K/V, stay consistent and
+raise nothing.  Each test that injects asserts ``num_collisions``, so the injection cannot silently
+stop reaching the code (the state machine's once did: tests/test_kvcache_statemachine.py).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def _one_thread():
 
 @pytest.fixture
 def collide(monkeypatch):
-    """Every unit hash is the same value: every lookup hits a bucket of strangers."""
-    monkeypatch.setattr(hashing_mod, "hash_unit", lambda *args, **kw: COLLIDING)
+    """Every unit hash is the same value: every lookup hits a bucket of strangers (``unit_keys`` and
+    ``hash_unit`` both hash through ``hash_unit_bytes``)."""
     monkeypatch.setattr(hashing_mod, "hash_unit_bytes", lambda *args, **kw: COLLIDING)
 
 
@@ -205,6 +207,7 @@ def test_injected_collision_never_shares_kv(case, collide):
         data_a = _write_prompt(cache, 1, n, gen)
         u0 = cache.usage()
         assert cache.allocate(2, n, b) == 0         # hash hits, tokens differ: a miss
+        assert cache.prefix.num_collisions == 1     # the injection fired: b's first unit met a's
         u1 = cache.usage()
         assert u1.prefix_hit_tokens == u0.prefix_hit_tokens
         assert u1.prefix_query_tokens == u0.prefix_query_tokens + n

@@ -145,6 +145,8 @@ def test_with_no_sequence_live_the_reserve_stays_mapped_for_the_next_admission(m
         assert_filled_prefix(cache, 5, 1024, 5.0)
         cache.release_idle(now=8.0)                          # live again: 4 plain free pages
         assert m.pool.num_free == 4 and calls["n"] == 4
+        fill(cache, 6, 256, 6.0)                             # a plain free page is mapped: the spy
+        assert maps["n"] == 1                                # sees map calls (maps == 0 above is real)
         cache.check_integrity()
     finally:
         cache.close()

@@ -1,10 +1,15 @@
 """What the server tests share: a tiny random Llama with a word-level tokenizer and a ChatML chat template
 (transformers ``save_pretrained``, no download), the real app served by uvicorn on 127.0.0.1 in a thread
-of this process (:class:`RunningServer`, through :func:`vmkv.server.http_server.build_server` like
-``vmkv serve``), and ``vmkv serve`` as a child process (:class:`ServerProcess`)."""
+of this process with its engine core in a child process (:class:`RunningServer`, through
+:class:`vmkv.server.async_engine.AsyncEngine` and :func:`vmkv.server.http_server.build_server` like
+``vmkv serve``), and ``vmkv serve`` as a child process (:class:`ServerProcess`).
+
+Faults and delays are injected into the engine core process with :meth:`RunningServer.call` and the
+module-level functions below (they are pickled by reference and run in the core between two steps)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -86,28 +91,76 @@ def sse_events(raw: str) -> list[str]:
     return [e for e in raw.split("\n\n") if e]
 
 
+# ---------------------------------------------------------------------- run in the engine core (call)
+def set_step_delay(engine, delay_s: float) -> None:
+    """Every engine step takes ``delay_s`` longer (0: back to normal)."""
+    engine.__dict__.pop("step", None)
+    if delay_s:
+        real_step = engine.step
+
+        def slow_step():
+            time.sleep(delay_s)
+            return real_step()
+
+        engine.step = slow_step
+
+
+def fail_steps(engine, message: str, after: int = 0, times: int | None = None) -> None:
+    """The engine's steps raise ``RuntimeError(message)``: after ``after`` more good steps, ``times``
+    times (None: for ever)."""
+    engine.__dict__.pop("step", None)
+    real_step = engine.step
+    state = {"good": after, "bad": times}
+
+    def step():
+        if state["good"] > 0:
+            state["good"] -= 1
+            return real_step()
+        if state["bad"] is None or state["bad"] > 0:
+            if state["bad"] is not None:
+                state["bad"] -= 1
+            raise RuntimeError(message)
+        return real_step()
+
+    engine.step = step
+
+
+def has_unfinished_requests(engine) -> bool:
+    return engine.has_unfinished_requests()
+
+
+def check_kv_integrity(engine) -> int:
+    """``kv_cache.check_integrity()``; returns the cache's page size in bytes (vmem) or 0."""
+    engine.kv_cache.check_integrity()
+    return int(getattr(engine.kv_cache, "page_size_bytes", 0))
+
+
+def engine_knobs_for(model_dir: Path | None, backend: str, engine_knobs: dict | None = None) -> dict:
+    """``LLMEngine.from_args`` keywords of the test servers."""
+    knobs = {"driver": "host", "page_size_bytes": VMEM_PAGE_SIZE_BYTES} if backend == "vmem" else {}
+    if model_dir is None:                   # a random-weight model without a tokenizer
+        knobs["random_weights"] = "tiny"
+    return {"model": None if model_dir is None else str(model_dir), "kv_backend": backend, "device": "cpu",
+            "dtype": "float32", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
+            "memory_bytes": 4 << 20, **knobs, **(engine_knobs or {})}
+
+
 class RunningServer:
-    """The real app on uvicorn in a background thread."""
+    """The real app on uvicorn in a background thread, its engine core in a child process."""
 
     def __init__(self, model_dir: Path | None, backend: str, engine_knobs: dict | None = None,
                  **server_kwargs: Any) -> None:
-        from vmkv.engine.llm_engine import LLMEngine
         from vmkv.server.app import build_app
         from vmkv.server.async_engine import AsyncEngine
         from vmkv.server.http_server import build_server
 
-        knobs = {"driver": "host", "page_size_bytes": VMEM_PAGE_SIZE_BYTES} if backend == "vmem" else {}
-        if model_dir is None:                   # a random-weight model without a tokenizer
-            knobs["random_weights"] = "tiny"
-        self.engine = LLMEngine.from_args(None if model_dir is None else str(model_dir), kv_backend=backend,
-                                          device="cpu", dtype="float32",
-                                          max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                                          memory_bytes=4 << 20, **{**knobs, **(engine_knobs or {})})
         self.backend = backend
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         app_kwargs = {k: server_kwargs.pop(k) for k in ("max_request_bytes",) if k in server_kwargs}
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(engine_knobs_for(model_dir, backend, engine_knobs), log_level="warning",
+                                        torch_threads=1)
+        self.async_engine.start_core()
         app = build_app(self.async_engine, SERVED, **app_kwargs)
         self.server = build_server(app, host="127.0.0.1", port=self.port, log_level="warning",
                                    graceful_timeout_s=2, **server_kwargs)
@@ -120,26 +173,26 @@ class RunningServer:
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
         self.http = httpx.Client(base_url=self.base, timeout=30)  # one client: its SSL setup is slow
 
+    def call(self, fn, *args: Any, timeout_s: float = 30.0) -> Any:
+        """``fn(engine, *args)`` run in the engine core process (``AsyncEngine.call``)."""
+        ae = self.async_engine
+        return asyncio.run_coroutine_threadsafe(ae.call(fn, *args), ae._loop).result(timeout_s)
+
     @contextlib.contextmanager
     def slowed(self, step_delay_s: float):
         """Make every engine step take ``step_delay_s`` longer (a slower model), so a request is
         reliably still running when the client leaves."""
-        real_step = self.engine.step
-
-        def slow_step():
-            time.sleep(step_delay_s)
-            return real_step()
-
-        self.engine.step = slow_step
+        self.call(set_step_delay, step_delay_s)
         try:
             yield
         finally:
-            del self.engine.step
+            self.call(set_step_delay, 0.0)
 
     def stop(self) -> None:
         self.http.close()
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.async_engine.close_sync()      # the lifespan stopped it already, unless uvicorn failed
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics, plus labelled ones keyed by their full text name."""

@@ -15,8 +15,8 @@ import asyncio
 import pytest
 
 from engine_helpers import hf_greedy, random_prompts
-from test_engine import backend, greedy, make_engine, one_thread, run_all, tiny  # noqa: F401 (fixtures)
-from vmkv.engine import sequence as sequence_mod
+from test_engine import BACKENDS, BYTES_PER_TOKEN, backend, greedy, make_engine, one_thread, run_all, tiny  # noqa: F401,E501 (fixtures)
+from vmkv.engine import detokenizer as detokenizer_mod
 from vmkv.engine.errors import RequestFailedError, is_fatal_error
 from vmkv.engine.sampling_params import SamplingParams
 
@@ -65,7 +65,7 @@ def test_detokenizer_failure_fails_only_that_request(tiny, backend):
     def boom(token_id):
         raise RuntimeError("injected detokenizer failure")
 
-    engine._groups["bad"].parent.detokenizer.add_token = boom
+    engine._groups["bad"].parent.output_text_state._detok.add_token = boom
     final = run_all(engine)
     assert_only_bad_failed(final, refs, "injected detokenizer failure")
     # the token whose detokenization raised was appended first: the output holds the tokens sampled
@@ -74,18 +74,28 @@ def test_detokenizer_failure_fails_only_that_request(tiny, backend):
     check_still_serves(engine, tiny)
 
 
-def test_stop_check_failure_fails_only_that_request(tiny, backend, monkeypatch):
-    real = sequence_mod.find_stop_string
+def inject_stop_check_failure(monkeypatch) -> list[int]:
+    """Stop-string checks of requests with the stop string "BOOM" raise; returns the list that counts
+    the injected failures (a test asserts it fired: a patch of a name the code no longer calls would
+    inject nothing)."""
+    real, fired = detokenizer_mod.find_stop_string, []
 
     def find(text, stop, new_len):
         if "BOOM" in stop:
+            fired.append(1)
             raise RuntimeError("injected stop-check failure")
         return real(text, stop, new_len)
 
-    monkeypatch.setattr(sequence_mod, "find_stop_string", find)
+    monkeypatch.setattr(detokenizer_mod, "find_stop_string", find)
+    return fired
+
+
+def test_stop_check_failure_fails_only_that_request(tiny, backend, monkeypatch):
+    fired = inject_stop_check_failure(monkeypatch)
     engine = make_engine(tiny, backend)
     refs = add_three(engine, tiny, stop=["BOOM"])
     assert_only_bad_failed(run_all(engine), refs, "injected stop-check failure")
+    assert fired, "the injected stop-check failure never fired"
     check_still_serves(engine, tiny)
 
 
@@ -306,23 +316,42 @@ def test_waiting_prompt_is_looked_up_once(tiny, backend):
     assert_no_leak(engine)
 
 
-# ---------------------------------------------------------------------- AsyncEngine
+# ---------------------------------------------------------------------- AsyncEngine (the core process)
+def core_kwargs(tiny, backend: str) -> dict:
+    """``LLMEngine.from_args`` keywords of :func:`make_engine`'s engine, for an engine core process."""
+    opts = dict(BACKENDS[backend])
+    kv_backend = opts.pop("kv_backend")
+    return {"model": tiny["path"], "kv_backend": kv_backend, "device": "cpu", "dtype": "float32",
+            "max_model_len": 256, "memory_bytes": 512 * BYTES_PER_TOKEN, **opts}
+
+
+def failing_model_engine(**kwargs):
+    """Engine factory (runs in the core): the engine's model wrapped in a :class:`FailingModel` whose
+    first forward raises."""
+    from vmkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(**kwargs)
+    engine.runner.model = FailingModel(engine.runner.model, RuntimeError("injected forward failure"))
+    return engine
+
+
+def fail_next_forward(engine, message: str) -> None:
+    """(In the core) the model's next forward raises ``RuntimeError(message)``."""
+    wrapper = engine.runner.model
+    wrapper.exc = RuntimeError(message)
+    wrapper.fail_calls = {wrapper.calls + 1}
+
+
 def test_async_engine_survives_a_failed_request(tiny, backend, monkeypatch):
+    """The front's output processing (stop strings) fails one request: that request's stream raises, its
+    KV is freed in the core, the others finish with transformers' tokens."""
     from vmkv.server.async_engine import AsyncEngine
 
-    real = sequence_mod.find_stop_string
-
-    def find(text, stop, new_len):
-        if "BOOM" in stop:
-            raise RuntimeError("injected stop-check failure")
-        return real(text, stop, new_len)
-
-    monkeypatch.setattr(sequence_mod, "find_stop_string", find)
-    engine = make_engine(tiny, backend)
+    fired = inject_stop_check_failure(monkeypatch)      # the front runs the stop checks: this process
     prompts = random_prompts(len(tiny["tokenizer"]), [20, 24, 28, 16], seed=27)
 
     async def main():
-        ae = AsyncEngine(engine, close_engine_on_shutdown=False)
+        ae = AsyncEngine(core_kwargs(tiny, backend), log_level="warning", torch_threads=1)
         ae.start()
         try:
             ok0 = await ae.add_request("ok0", None, greedy(8), prompts[0])
@@ -331,7 +360,6 @@ def test_async_engine_survives_a_failed_request(tiny, backend, monkeypatch):
             with pytest.raises(RequestFailedError) as e:
                 await bad.result()
             assert e.value.request_id == "bad" and "injected stop-check failure" in e.value.message
-            assert e.value.output.outputs[0].finish_reason == "error"
             outs = [await ok0.result(), await ok1.result()]
             assert ae.error is None and ae.is_running
             later = await (await ae.add_request("later", None, greedy(4), prompts[3],
@@ -342,6 +370,7 @@ def test_async_engine_survives_a_failed_request(tiny, backend, monkeypatch):
             await ae.shutdown()
 
     outs, later = asyncio.run(main())
+    assert fired, "the injected stop-check failure never fired"
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny["hf"], p, 8) for p in (prompts[0], prompts[2])]
     assert later.error is None and later.outputs[0].token_ids == hf_greedy(tiny["hf"], prompts[3], 4)
 
@@ -349,13 +378,11 @@ def test_async_engine_survives_a_failed_request(tiny, backend, monkeypatch):
 def test_async_engine_batch_failure_then_fatal_error(tiny):
     from vmkv.server.async_engine import AsyncEngine, EngineDeadError
 
-    engine = make_engine(tiny, "paged")
-    wrapper = FailingModel(engine.runner.model, RuntimeError("injected forward failure"))
-    engine.runner.model = wrapper
     prompts = random_prompts(len(tiny["tokenizer"]), [20, 24], seed=28)
 
     async def main():
-        ae = AsyncEngine(engine, close_engine_on_shutdown=False)
+        ae = AsyncEngine(core_kwargs(tiny, "paged"), engine_factory=failing_model_engine, log_level="warning",
+                         torch_threads=1)
         ae.start()
         try:
             a = await ae.add_request("a", None, greedy(6), prompts[0])
@@ -363,8 +390,7 @@ def test_async_engine_batch_failure_then_fatal_error(tiny):
                 await a.result()
             b = await (await ae.add_request("b", None, greedy(6), prompts[1])).result()
             assert b.error is None and ae.error is None
-            wrapper.exc = RuntimeError("CUDA error: an illegal memory access was encountered")
-            wrapper.fail_calls = {wrapper.calls + 1}
+            await ae.call(fail_next_forward, "CUDA error: an illegal memory access was encountered")
             c = await ae.add_request("c", None, greedy(6), prompts[0])
             with pytest.raises(EngineDeadError):
                 await c.result()

@@ -20,6 +20,8 @@ import httpx
 import openai
 import pytest
 from server_helpers import (
+    fail_steps,
+    has_unfinished_requests,
     CHAT,
     CHAT_URL,
     COMPLETIONS_URL,
@@ -474,15 +476,7 @@ def test_fatal_engine_failure_turns_into_503_and_unhealthy(tiny_model_dir):
     srv = RunningServer(tiny_model_dir, "paged")
     try:
         srv.assert_alive()
-        real_step, calls = srv.engine.step, []
-
-        def failing_step():
-            calls.append(1)
-            if len(calls) > 3:
-                raise RuntimeError(FATAL)
-            return real_step()
-
-        srv.engine.step = failing_step
+        srv.call(fail_steps, FATAL, 3)
         body = {"messages": CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
         with srv.http.stream("POST", CHAT_URL, json=body) as r:
             assert r.status_code == 200
@@ -509,16 +503,7 @@ def test_a_failed_request_gets_an_error_reply_and_the_server_runs_on(tiny_model_
     error body, or an error event and [DONE] on a stream); the engine, /health and later requests are fine."""
     srv = RunningServer(tiny_model_dir, "paged")
     try:
-        real_step, fail = srv.engine.step, []
-
-        def step():
-            if fail:
-                fail.clear()
-                raise RuntimeError("simulated bad request")
-            return real_step()
-
-        srv.engine.step = step
-        fail.append(1)
+        srv.call(fail_steps, "simulated bad request", 0, 1)
         with srv.http.stream("POST", CHAT_URL, json={"messages": CHAT, "max_tokens": 5, "stream": True}) as r:
             assert r.status_code == 200
             events = sse_events(r.read().decode())
@@ -527,10 +512,10 @@ def test_a_failed_request_gets_an_error_reply_and_the_server_runs_on(tiny_model_
         assert err["code"] == "internal_error" and "simulated bad request" in err["message"]
         srv.wait_kv_idle()
         deadline = time.time() + 15  # no step left to run (it would take the failure meant for the next one)
-        while srv.engine.has_unfinished_requests():
+        while srv.call(has_unfinished_requests):
             assert time.time() < deadline, "the failed request never left the engine"
             time.sleep(0.02)
-        fail.append(1)
+        srv.call(fail_steps, "simulated bad request", 0, 1)
         r = srv.http.post(CHAT_URL, json={"messages": CHAT, "max_tokens": 5})
         assert r.status_code == 500 and "simulated bad request" in r.json()["error"]["message"]
         assert srv.http.get("/health").status_code == 200

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_helpers import SERVED, RunningServer, make_tiny_model
+from server_helpers import SERVED, RunningServer, check_kv_integrity, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +41,16 @@ def test_vmem_server_gives_idle_memory_back_after_a_burst(model_dir):
     srv = RunningServer(model_dir, "vmem", engine_knobs={"kv_shrink_grace_s": 0.0,
                                                          "kv_reserve_bytes": VMEM_PAGE_SIZE_BYTES})
     try:
-        kv = srv.engine.kv_cache
+        page_size_bytes = srv.call(check_kv_integrity)
         _burst(srv)
         peak = srv.metrics()["vmkv_kv_created_bytes"]
         m = _wait_for(srv, lambda m: m["vmkv_kv_in_use_bytes"] == 0
-                      and m["vmkv_kv_created_bytes"] <= 2 * kv.page_size_bytes)
-        assert peak > 2 * kv.page_size_bytes
+                      and m["vmkv_kv_created_bytes"] <= 2 * page_size_bytes)
+        assert peak > 2 * page_size_bytes
         assert m["vmkv_kv_idle_bytes"] == m["vmkv_kv_created_bytes"]
         srv.assert_alive()
         _burst(srv, 2)                      # grows again on demand
-        kv.check_integrity()
+        srv.call(check_kv_integrity)
     finally:
         srv.stop()
 

@@ -462,8 +462,19 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._abort, request_id)
 
     def _abort(self, request_id: str) -> None:
-        if self._requests.pop(request_id, None) is not None and self._dead is None and not self._stopped:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        if self._dead is None and not self._stopped:
             self._send(proto.Abort([request_id]))
+        self._finished(entry[0].abort())
+
+    def _finished(self, out: "RequestOutput") -> None:
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # noqa: BLE001 - metrics must never stop the front
+                logger.exception("on_finished callback failed for %s", out.request_id)
 
     async def get_stats(self) -> Any:
         """``engine.get_stats()`` read in the core (a consistent snapshot between two steps)."""
@@ -521,17 +532,22 @@ class AsyncEngine:
             if entry is None:
                 continue                         # aborted here, or finished here by a stop string
             state, stream = entry
-            out, hits = state.update(delta)
+            try:
+                out, hits = state.update(delta)
+            except Exception as exc:  # noqa: BLE001 - this request's failure (detokenization, stop strings)
+                logger.warning("output processing of request %s failed: %r", delta.request_id, exc)
+                del self._requests[delta.request_id]
+                self._send(proto.Abort([delta.request_id]))
+                stream._put(RequestFailedError(delta.request_id, f"request {delta.request_id} failed in output "
+                                               f"processing (detokenization, stop strings): "
+                                               f"{type(exc).__name__}: {exc}"))
+                continue
             stops.extend((delta.request_id, index, s) for index, s in hits)
             if out is None:
                 continue
             if out.finished:
                 del self._requests[delta.request_id]
-                if self.on_finished is not None:
-                    try:
-                        self.on_finished(out)
-                    except Exception:  # noqa: BLE001 - metrics must never stop the front
-                        logger.exception("on_finished callback failed for %s", out.request_id)
+                self._finished(out)
             stream._put(RequestFailedError(out.request_id, out.error, out) if out.finished and out.error else out)
         if stops:
             self._send(proto.FinishSequences(stops))

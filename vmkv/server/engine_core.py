@@ -160,15 +160,15 @@ class EngineCore:
         try:
             while not self._stopping:
                 busy = engine.has_unfinished_requests()
-                got = self._drain(block=not busy)
+                self._drain(block=not busy)
                 if self._stopping:
                     break
                 if os.getppid() != self.parent_pid:
                     logger.warning("engine core: the front process is gone; exiting")
                     break
                 if not engine.has_unfinished_requests():
-                    if not got and not busy:
-                        self._idle()
+                    if not busy:
+                        self._idle()     # at least every IDLE_POLL_S while nothing runs
                     continue
                 try:
                     outputs = engine.step()
@@ -207,21 +207,16 @@ class EngineCore:
                 raise
             logger.warning("engine.idle() failed (ignored): %r", exc)
 
-    def _drain(self, block: bool) -> bool:
-        """Handle every queued message (waiting up to :data:`IDLE_POLL_S` for the first when
-        ``block``); returns whether any came."""
+    def _drain(self, block: bool) -> None:
+        """Handle every queued message (waiting up to :data:`IDLE_POLL_S` for the first when ``block``)."""
         if block and not self._poller.poll(IDLE_POLL_S * 1000):
-            return False
-        got = False
-        while True:
+            return
+        while not self._stopping:
             try:
                 frame = self.inp.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return got
-            got = True
+                return
             self._handle(proto.to_core_decoder.decode(frame.buffer))
-            if self._stopping:
-                return got
 
     def _handle(self, msg: Any) -> None:
         engine = self.engine

@@ -134,6 +134,15 @@ class RequestState:
             return None, stops
         return self.output(), stops
 
+    def abort(self, now: float | None = None) -> RequestOutput:
+        """Finish every unfinished completion with ``"abort"`` (the client left); the final output."""
+        for comp in self.completions:
+            if comp.finish_reason is None:
+                comp.finish_reason = "abort"
+        if self.metrics.finished_time is None:
+            self.metrics.finished_time = time.perf_counter() if now is None else now
+        return self.output()
+
     def output(self) -> RequestOutput:
         """The request's output now, with its deltas since the previous call."""
         m = self.metrics

@@ -8,7 +8,10 @@ chunks), TPOT ``(e2e - ttft) / (output_tokens - 1)``, E2E, request/output/total 
 goodput under ``--slo``.  Output tokens come from the server's ``usage`` (``stream_options.include_usage``)
 when it reports it, else from the number of content chunks.
 
-Prompts: ``--prompt-format tokens`` sends random token ids (exact lengths; needs ``--vocab-size``);
+Prompts: ``--prompt-format tokens`` sends random token ids (exact lengths; the requests of
+:func:`vmkv.compare.workloads.generate`, the ones ``vmkv compare engine`` runs; the vocabulary size is
+``--vocab-size``, or the ``vocab_size`` field of the model's card in ``GET /v1/models``, which vmkv's
+server gives and other servers may not);
 ``text`` sends random common English words, about one token each (the server's ``usage`` gives the
 real count).  ``ignore_eos`` (a vLLM extension our server supports) keeps output lengths exact.
 """
@@ -27,11 +30,12 @@ import numpy as np
 
 from vmkv.compare import report
 from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics
-from vmkv.compare.workloads import LengthDist, Request, WorkloadSpec, arrival_offsets
+from vmkv.compare.workloads import LengthDist, Request, WorkloadSpec, arrival_offsets, generate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "run", "build_requests", "run_benchmark", "send_one"]
+__all__ = ["add_arguments", "run", "build_requests", "for_sending", "make_client", "run_benchmark", "send_one", "model_cards",
+           "vocab_size_of"]
 
 # frequent English words, each one BPE token with a leading space in common tokenizers
 _WORDS = ("the of and to in is was for on that with as by it at from his an be this are or not had but "
@@ -57,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="256", help="N, A..B, lognormal:MEDIAN,SIGMA[,MIN,MAX], sharegpt-in")
     p.add_argument("--output-len", default="128", help="same forms (max_tokens; exact with ignore_eos)")
     p.add_argument("--prompt-format", default="text", choices=["text", "tokens"])
-    p.add_argument("--vocab-size", type=int, default=None, help="for --prompt-format tokens")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="for --prompt-format tokens (default: the vocab_size of the model's card in "
+                        "GET /v1/models, which vmkv serve gives)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
@@ -68,9 +74,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_requests(args) -> list[Request]:
-    """Seeded requests; ``meta["prompt"]`` holds the text or the token ids to send."""
+    """Seeded requests; ``meta["prompt"]`` holds the text or the token ids to send.
+
+    ``--prompt-format tokens``: the requests of :func:`vmkv.compare.workloads.generate` (the same as
+    ``vmkv compare engine`` runs for the same flags and vocabulary), through :func:`for_sending`.
+    Raises:
+        ValueError: ``--prompt-format tokens`` without a vocabulary size of at least 2.
+    """
     spec = WorkloadSpec(num_requests=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                         request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
+    if args.prompt_format == "tokens":
+        if not args.vocab_size or args.vocab_size < 2:
+            raise ValueError("--prompt-format tokens needs --vocab-size (the model's vocabulary size)")
+        reqs = for_sending(generate(spec, args.vocab_size))
+        for r in reqs:
+            r.request_id = r.request_id.replace("req-", "bench-", 1)
+        return reqs
     rngs = [np.random.default_rng([spec.seed, i]) for i in range(4)]
     in_lens = LengthDist.parse(spec.input_len).sample(rngs[0], spec.num_requests)
     out_lens = LengthDist.parse(spec.output_len).sample(rngs[1], spec.num_requests)
@@ -78,17 +97,25 @@ def build_requests(args) -> list[Request]:
     reqs = []
     for i in range(spec.num_requests):
         n = int(in_lens[i])
-        if args.prompt_format == "tokens":
-            if not args.vocab_size or args.vocab_size < 2:
-                raise ValueError("--prompt-format tokens needs --vocab-size (the model's vocabulary size)")
-            ids = rngs[3].integers(min(100, args.vocab_size // 4), args.vocab_size, n).tolist()
-            prompt = ids
-        else:
-            ids = []
-            prompt = " ".join(_WORDS[j] for j in rngs[3].integers(0, len(_WORDS), n))
-        reqs.append(Request(f"bench-{i}", ids, int(out_lens[i]), float(arrivals[i]), meta={"prompt": prompt,
-                                                                                          "prompt_len": n}))
+        prompt = " ".join(_WORDS[j] for j in rngs[3].integers(0, len(_WORDS), n))
+        reqs.append(Request(f"bench-{i}", [], int(out_lens[i]), float(arrivals[i]), meta={"prompt": prompt,
+                                                                                         "prompt_len": n}))
     return reqs
+
+
+def for_sending(requests: list[Request]) -> list[Request]:
+    """``requests`` (token-id prompts, e.g. :func:`vmkv.compare.workloads.generate`'s) with the ``meta``
+    :func:`run_benchmark` sends: ``prompt`` = the token ids, ``prompt_len``.  Changes them in place.
+
+    Raises:
+        ValueError: a request asks for ``n > 1`` samples (one stream per request is timed).
+    """
+    for r in requests:
+        if r.n != 1:
+            raise ValueError(f"request {r.request_id} asks for n={r.n}; the load client times one completion "
+                             "per request (use a workload with n = 1)")
+        r.meta.update(prompt=r.prompt_token_ids, prompt_len=r.prompt_len)
+    return requests
 
 
 def _payload(req: Request, args, model: str) -> dict:
@@ -156,34 +183,56 @@ async def send_one(client, url: str, body: dict, req: Request, headers: dict) ->
     return RequestRecord(req.request_id, prompt_len, out_tokens, start, times[0], times[-1], times)
 
 
-async def run_benchmark(requests: list[Request], args, model: str, transport=None, on_done=None) -> tuple[list, float]:
-    """Send ``requests`` at their arrival offsets; returns ``(records, duration_s)``."""
+def make_client(args, num_requests: int, transport=None):
+    """The ``httpx.AsyncClient`` :func:`run_benchmark` sends through: ``--timeout-s`` per request, a
+    connection per request in flight (``--max-concurrency`` or every request)."""
     import httpx
 
+    limits = httpx.Limits(max_connections=args.max_concurrency or num_requests or 1)
+    return httpx.AsyncClient(timeout=args.timeout_s, limits=limits, transport=transport)
+
+
+async def run_benchmark(requests: list[Request], args, model: str, transport=None, on_done=None,
+                        start_at: float | None = None, client=None) -> tuple[list, float]:
+    """Send ``requests`` at their arrival offsets; returns ``(records, duration_s)``.
+
+    ``start_at``: the ``time.perf_counter()`` instant the offsets count from (default: when the client is
+    ready); on Linux it is ``CLOCK_MONOTONIC``, shared by the host's processes, so several client
+    processes can split one workload.  The duration runs from it to the last finish.  ``client``: an open
+    :func:`make_client` client to send through (default: one made and closed here).  Request bodies are
+    built before the start, so the timed loop only sends and reads."""
+    if client is None:
+        async with make_client(args, len(requests), transport) as own:
+            return await run_benchmark(requests, args, model, on_done=on_done, start_at=start_at, client=own)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.base_url.rstrip("/") + args.endpoint
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    limits = httpx.Limits(max_connections=args.max_concurrency or len(requests) or 1)
-    async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits, transport=transport) as client:
-        start = time.perf_counter()
+    bodies = [_payload(req, args, model) for req in requests]
+    start = time.perf_counter() if start_at is None else start_at
 
-        async def launch(req: Request) -> RequestRecord:
-            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-            if sem is None:
-                rec = await send_one(client, url, _payload(req, args, model), req, headers)
-            else:
-                async with sem:
-                    rec = await send_one(client, url, _payload(req, args, model), req, headers)
-            if on_done:
-                on_done(rec)
-            return rec
+    async def launch(req: Request, body: dict) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+        if sem is None:
+            rec = await send_one(client, url, body, req, headers)
+        else:
+            async with sem:
+                rec = await send_one(client, url, body, req, headers)
+        if on_done:
+            on_done(rec)
+        return rec
 
-        records = await asyncio.gather(*(launch(r) for r in requests))
+    records = await asyncio.gather(*(launch(r, b) for r, b in zip(requests, bodies)))
     ends = [r.finish_time for r in records if r.finish_time is not None]
     return list(records), max(max(ends, default=start) - start, 1e-9)
 
 
-async def _first_model(base_url: str, api_key: str | None, transport=None) -> str:
+async def model_cards(base_url: str, api_key: str | None, transport=None) -> list[dict]:
+    """The model cards of ``GET /v1/models`` (``data``).
+
+    Raises:
+        RuntimeError: the server lists no model.
+        httpx.HTTPError: the server cannot be reached or answers an error.
+    """
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -193,7 +242,15 @@ async def _first_model(base_url: str, api_key: str | None, transport=None) -> st
         data = resp.json().get("data") or []
         if not data:
             raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
-        return data[0]["id"]
+        return data
+
+
+def vocab_size_of(cards: list[dict], model: str) -> int | None:
+    """The ``vocab_size`` integer of ``model``'s card (vmkv's servers add it to the OpenAI fields), or
+    None when the card has none (another server) or no card is named ``model``."""
+    card = next((c for c in cards if c.get("id") == model), None)
+    value = (card or {}).get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else None
 
 
 COLUMNS = ["metric", "mean", "p50", "p90", "p99"]
@@ -212,8 +269,18 @@ def run(args, transport=None) -> int:
         console.print("usage: vmkv bench serve --base-url URL [--model NAME] ... (see vmkv bench serve --help)")
         return 2
     try:
+        cards = None
+        if args.model is None or (args.prompt_format == "tokens" and args.vocab_size is None):
+            cards = asyncio.run(model_cards(args.base_url, args.api_key, transport))
+        model = args.model or cards[0]["id"]
+        if args.prompt_format == "tokens" and args.vocab_size is None:
+            vocab = vocab_size_of(cards, model)
+            if vocab is None:
+                raise ValueError("--prompt-format tokens needs --vocab-size (the model's vocabulary size); "
+                                 f"{args.base_url}/v1/models gives none for {model!r}")
+            args = argparse.Namespace(**{**vars(args), "vocab_size": vocab})
+            console.print(f"vocabulary size {vocab} (from {args.base_url}/v1/models)")
         requests = build_requests(args)
-        model = args.model or asyncio.run(_first_model(args.base_url, args.api_key, transport))
         if requests:
             _payload(requests[0], args, model)  # validates endpoint vs prompt format
     except (ValueError, RuntimeError, OSError) as exc:

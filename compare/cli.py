@@ -1,8 +1,10 @@
-"""``vmkv compare {alloc,engine,kernels,colocate,step}``: head-to-head comparisons of the paged and vmem backends.
+"""``vmkv compare {alloc,engine,serve,kernels,colocate,step}``: head-to-head comparisons of the paged and vmem backends.
 
 - ``alloc``: allocator simulation without a GPU (:mod:`vmkv.compare.alloc_cli`).
 - ``engine``: the engine on both backends, offline and online, each in a fresh process
   (:mod:`vmkv.compare.engine_bench`).
+- ``serve``: the same workload through real ``vmkv serve`` processes and in-process, served / in-process
+  ratios (:mod:`vmkv.compare.serve_bench`).
 - ``kernels``: the kernel microbenchmarks (:mod:`vmkv.compare.kernel_bench`), arguments passed through.
 - ``colocate``: two ``vmkv serve`` processes sharing one GPU under alternating bursts
   (:mod:`vmkv.compare.colocate`).
@@ -21,6 +23,7 @@ import sys
 SUBCOMMANDS = {
     "alloc": ("vmkv.compare.alloc_cli", "allocator simulation: waste vs block/page size, no GPU needed"),
     "engine": ("vmkv.compare.engine_bench", "run the engine on both backends (offline and Poisson online)"),
+    "serve": ("vmkv.compare.serve_bench", "the same workload through vmkv serve and in-process: served/in-process ratios"),
     "kernels": ("vmkv.compare.kernel_bench", "kernel microbenchmarks (paged vs contiguous attention)"),
     "colocate": ("vmkv.compare.colocate", "two servers on one GPU with alternating bursts (elastic KV memory)"),
     "step": ("vmkv.compare.step_bench", "decode step time vs its bandwidth floor, B x L grid, every backend"),

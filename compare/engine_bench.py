@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from vmkv.compare import report
@@ -30,7 +31,8 @@ from vmkv.kvcache.registry import backend_choices, option_backends
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "run", "parse_rates", "scenario_name", "backend_knobs", "check_backends"]
+__all__ = ["add_arguments", "run", "parse_rates", "scenario_name", "backend_knobs", "check_backends", "worker_config",
+           "Plan", "plan", "resolve_rate"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,6 +167,18 @@ def _spec(args, rate: float) -> WorkloadSpec:
                         seed=args.seed)
 
 
+def worker_config(args, backend: str, rate_text: str, spec: WorkloadSpec, max_model_len: int) -> dict:
+    """The configuration of one (scenario, backend) run of :mod:`vmkv.compare.engine_worker` (JSON):
+    model, device, dtype, the engine knobs of ``backend`` (:func:`_knobs`), the workload, warm-up,
+    temperature and SLO.  ``vmkv compare serve`` starts ``vmkv serve`` from the same dict."""
+    return {"backend": backend, "scenario": scenario_name(spec.request_rate), "rate_spec": rate_text,
+            "model": None if args.model in SHAPES else args.model, "device": args.device,
+            "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
+            "warmup_requests": args.warmup_requests, "temperature": args.temperature,
+            "warmup_fill_budget": args.warmup_fill_budget,
+            "slo": args.slo, "torch_threads": args.torch_threads}
+
+
 def _default_max_model_len(spec: WorkloadSpec) -> int:
     # lengths do not depend on the vocabulary (separate random streams), so any vocab gives them
     reqs = generate(spec, 1000)
@@ -199,46 +213,75 @@ def _reference_rate(path: str | None, runs: list[dict], backend: str) -> float |
     return None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a comparison runs, resolved from the command line (:func:`plan`): the backends in order,
+    the rates (offline first: relative rates need its throughput), the workload at t=0 and the
+    ``max_model_len`` every run gets."""
+
+    backends: list[str]
+    rates: list[str]
+    base_spec: WorkloadSpec
+    max_model_len: int
+
+
+def plan(args) -> Plan:
+    """Validate the comparison's arguments (shared by ``vmkv compare engine`` and ``vmkv compare serve``).
+
+    Raises:
+        ValueError: a bad rate, length distribution, workload field or backend option (the message
+            names it).
+    """
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    rates = parse_rates(args.request_rate)
+    base_spec = _spec(args, math.inf)
+    for text in (args.input_len, args.output_len):
+        LengthDist.parse(text)
+    check_backends(args, backends)
+    rates.sort(key=lambda r: (r != "inf", r.endswith("x")))
+    return Plan(backends, rates, base_spec, args.max_model_len or _default_max_model_len(base_spec))
+
+
+def resolve_rate(rate_text: str, args, runs: list[dict], backend: str) -> float:
+    """The request rate of ``rate_text`` (req/s); ``0.5x`` is a fraction of ``backend``'s offline request
+    throughput in ``runs`` (or in ``--reference``).
+
+    Raises:
+        ValueError: a relative rate without an offline run of ``backend`` to scale.
+    """
+    if not rate_text.endswith("x"):
+        return float(rate_text)
+    ref = _reference_rate(args.reference, runs, backend)
+    if ref is None:
+        raise ValueError(f"rate {rate_text} needs an offline run of {backend} "
+                         "(add inf to --request-rate or pass --reference results.json)")
+    return float(rate_text[:-1]) * ref
+
+
 def run(args) -> int:
     from vmkv.compare import engine_report
 
     console = report.console()
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     try:
-        rates = parse_rates(args.request_rate)
-        base_spec = _spec(args, math.inf)
-        for text in (args.input_len, args.output_len):
-            LengthDist.parse(text)
-        check_backends(args, backends)
+        p = plan(args)
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
-    # offline first: relative rates need its throughput
-    rates.sort(key=lambda r: (r != "inf", r.endswith("x")))
-    max_model_len = args.max_model_len or _default_max_model_len(base_spec)
+    backends, base_spec, max_model_len = p.backends, p.base_spec, p.max_model_len
     out_dir = Path(args.out or f"vmkv-results/engine-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = report.environment(seed=args.seed)
     runs: list[dict] = []
     with report.progress(console) as prog:
-        for rate_text in rates:
-            if rate_text.endswith("x"):
-                ref = _reference_rate(args.reference, runs, backends[0])
-                if ref is None:
-                    console.print(f"[red]error:[/red] rate {rate_text} needs an offline run of {backends[0]} "
-                                  "(add inf to --request-rate or pass --reference results.json)")
-                    return 2
-                rate = float(rate_text[:-1]) * ref
-            else:
-                rate = float(rate_text)
+        for rate_text in p.rates:
+            try:
+                rate = resolve_rate(rate_text, args, runs, backends[0])
+            except ValueError as exc:
+                console.print(f"[red]error:[/red] {exc}")
+                return 2
             spec = _spec(args, rate)
             for backend in backends:
-                cfg = {"backend": backend, "scenario": scenario_name(rate), "rate_spec": rate_text,
-                       "model": None if args.model in SHAPES else args.model, "device": args.device,
-                       "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
-                       "warmup_requests": args.warmup_requests, "temperature": args.temperature,
-                       "warmup_fill_budget": args.warmup_fill_budget,
-                       "slo": args.slo, "torch_threads": args.torch_threads}
+                cfg = worker_config(args, backend, rate_text, spec, max_model_len)
                 task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)
                 res = _run_worker(cfg, out_dir, prog, task, args.timeout_s, args.torch_threads)
                 res["rate_spec"] = rate_text

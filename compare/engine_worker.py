@@ -194,6 +194,46 @@ def _vmm_delta(before: dict, after: dict, samples: dict[str, list[float]]) -> tu
     return out, raw
 
 
+def warmup_sets(cfg: dict, spec: WorkloadSpec, requests: list[Request], max_model_len: int,
+                vocab_size: int) -> list[tuple[str, list[Request]]]:
+    """The warm-up run before the measured one, as ``[(kind, requests), ...]`` in order (``kind``:
+    ``"offline"``, all at once to the end, or ``"mixed"``, the first request decoding when the others
+    arrive); ``[]`` for ``warmup_requests: 0``.  Random tokens other than the run's (seeds past
+    ``spec.seed``), ids ``warmup-...``.  ``vmkv compare serve`` sends the same sets to its servers.
+
+    - prompts up to the longest measured one (or, ``warmup_fill_budget``, as many of the longest as fill
+      one step's token budget, as vLLM's start-up profile run does): activation memory and GEMM
+      configurations at that size are paid here;
+    - short prompts (4..12 tokens): the prefill kernel's configuration for short query lengths (the tails
+      of chunked prompts in mixed steps) compiles here;
+    - a prompt admitted while another request decodes: a mixed step (decode rows through the decode
+      kernel, the prompt through the prefill kernel).
+    """
+    num_warm = int(cfg.get("warmup_requests", 2))
+    if not num_warm:
+        return []
+    knobs = cfg.get("knobs", {})
+    budget = int(knobs.get("max_num_batched_tokens", 2048))
+    max_prompt = min(max(r.prompt_len for r in requests), max_model_len - 9, budget)
+    if cfg.get("warmup_fill_budget"):
+        fill = min(max(num_warm, -(-budget // max(1, max_prompt))), int(knobs.get("max_num_seqs", num_warm)))
+        warm = WorkloadSpec(num_requests=fill, input_len=f"{max(1, max_prompt)}", output_len="8",
+                            seed=spec.seed + 7919)
+    else:
+        warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
+                            output_len="8", seed=spec.seed + 7919)
+    wreqs = generate(warm, vocab_size)
+    short = generate(WorkloadSpec(num_requests=num_warm, input_len="4..12", output_len="4",
+                                  seed=spec.seed + 7920), vocab_size)
+    for i, r in enumerate(wreqs + short):
+        r.request_id = f"warmup-{i}-{r.request_id}"
+    mixed = generate(WorkloadSpec(num_requests=2, input_len=f"{max(1, max_prompt // 4)}..{max(1, max_prompt // 2)}",
+                                  output_len="6", seed=spec.seed + 7921), vocab_size)
+    for i, r in enumerate(mixed):
+        r.request_id = f"warmup-mixed-{i}-{r.request_id}"
+    return [("offline", wreqs), ("offline", short), ("mixed", mixed)]
+
+
 def run_worker(cfg: dict, progress=_emit) -> dict:
     """Run one (backend, scenario) as described in the module docstring; returns the result dict."""
     import torch
@@ -215,37 +255,11 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
 
     # warm-up (JIT compilation, allocator first touches) on different random tokens
     t_warm = time.perf_counter()
-    num_warm = int(cfg.get("warmup_requests", 2))
-    if num_warm:
-        max_prompt = min(max(r.prompt_len for r in requests), engine.max_model_len - 9,
-                         int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048)))
-        if cfg.get("warmup_fill_budget"):
-            # prompts of the longest length, enough to fill one step's token budget, as the run's first
-            # steps do: the activations' memory and the GEMM configurations at that size come here
-            budget = int(cfg.get("knobs", {}).get("max_num_batched_tokens", 2048))
-            fill = min(max(num_warm, -(-budget // max(1, max_prompt))),
-                       int(cfg.get("knobs", {}).get("max_num_seqs", num_warm)))
-            warm = WorkloadSpec(num_requests=fill, input_len=f"{max(1, max_prompt)}", output_len="8",
-                                seed=spec.seed + 7919)
+    for kind, reqs in warmup_sets(cfg, spec, requests, engine.max_model_len, engine.model_config.vocab_size):
+        if kind == "mixed":
+            _warm_mixed(engine, reqs, temperature)
         else:
-            warm = WorkloadSpec(num_requests=num_warm, input_len=f"{max(1, max_prompt // 2)}..{max(1, max_prompt)}",
-                                output_len="8", seed=spec.seed + 7919)
-        wreqs = generate(warm, engine.model_config.vocab_size)
-        # then short prompts: the prefill kernel's configuration for query lengths <= 16 (the
-        # tails of chunked prompts in mixed steps) compiles here, not in the measured run
-        short = generate(WorkloadSpec(num_requests=num_warm, input_len="4..12", output_len="4",
-                                      seed=spec.seed + 7920), engine.model_config.vocab_size)
-        for i, r in enumerate(wreqs + short):
-            r.request_id = f"warmup-{i}-{r.request_id}"
-        _drive(engine, wreqs, temperature, online=False, sampler=None)
-        _drive(engine, short, temperature, online=False, sampler=None)
-        # then a prompt admitted while another request decodes: a mixed step (decode rows through
-        # the decode kernel, the prompt through the prefill kernel) before the measured run
-        mixed = generate(WorkloadSpec(num_requests=2, input_len=f"{max(1, max_prompt // 4)}..{max(1, max_prompt // 2)}",
-                                      output_len="6", seed=spec.seed + 7921), engine.model_config.vocab_size)
-        for i, r in enumerate(mixed):
-            r.request_id = f"warmup-mixed-{i}-{r.request_id}"
-        _warm_mixed(engine, mixed, temperature)
+            _drive(engine, reqs, temperature, online=False, sampler=None)
     warmup_s = time.perf_counter() - t_warm
     if cuda_device is not None:
         torch.cuda.synchronize(cuda_device)
@@ -265,8 +279,10 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
             last[0] = now
             progress({"event": "progress", "done": done, "total": len(requests)})
 
+    cpu0 = time.process_time()
     outputs, start, end = _drive(engine, requests, temperature, online=not spec.is_offline, sampler=sampler,
                                  on_finish=on_finish)
+    cpu_s = time.process_time() - cpu0     # every thread of this process (TP workers are processes apart)
     st1 = engine.get_stats()
     stats1, samples1 = _backend_snapshot(engine.kv_cache)
     by_id = {r.request_id: r for r in requests}
@@ -335,6 +351,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "backend_stats": _counter_deltas(stats0, stats1),
     }
     timing = {"load_s": load_s, "warmup_s": warmup_s, "run_s": end - start, "num_steps": num_steps,
+              "cpu_s": cpu_s, "cores": cpu_s / (end - start) if end > start else None,
               "step_ms": summarize(cols["step_s"], 1e3), "sample_overhead_s": sampler.overhead_s,
               # CUDA graphs (capture at start-up, decode steps replayed in the run) and async scheduling
               "cuda_graph_capture_s": st1.cuda_graph_capture_s,

@@ -91,6 +91,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="FlashInfer backend of its tensor-core decode and its prefill (auto: FlashInfer's choice)")
 
 
+def grid_error(args: argparse.Namespace) -> str | None:
+    """Why the grid cannot run, naming the flags (None when it can): every decode and prefill context
+    must be a multiple of every paged block size (``--block-sizes``), and the context of every
+    ``--flex-points`` point a multiple of ``--flex-page`` (checked only for those points: without them
+    flex_attention does not run)."""
+    block_sizes = _ints(args.block_sizes)
+    for flag, value in (("--block-sizes", block_sizes), ("--flex-page", [args.flex_page])):
+        bad = [b for b in value if b <= 0]
+        if bad:
+            return f"{flag} {bad[0]}: a size in tokens must be > 0"
+    for flag in ("--contexts", "--prefill-contexts"):
+        for ctx in _ints(getattr(args, flag[2:].replace("-", "_"))):
+            bad = [bs for bs in block_sizes if ctx % bs]
+            if bad:
+                return (f"{flag} {ctx} is not a multiple of --block-sizes {bad[0]} (every context must be a "
+                        f"multiple of every paged block size: change {flag} or --block-sizes)")
+    for batch, ctx in _points(args.flex_points):
+        if ctx % args.flex_page:
+            return (f"--flex-points {batch}x{ctx}: context {ctx} is not a multiple of --flex-page "
+                    f"{args.flex_page} (change the point or --flex-page, or skip flex_attention with "
+                    f"--flex-points none)")
+    return None
+
+
 class Timer:
     """Median and 20/80 % quantiles in ms: do_bench on CUDA, wall clock on CPU (smoke runs only)."""
 
@@ -445,11 +469,10 @@ def run(args: argparse.Namespace) -> int:
         print("vmkv compare kernels: --device cpu runs the Triton kernels in Triton's interpreter; "
               "set it before the command: TRITON_INTERPRET=1 vmkv compare kernels --device cpu ...")
         return 2
-    for ctx in _ints(args.contexts) + _ints(args.prefill_contexts):
-        for bs in _ints(args.block_sizes) + [args.flex_page]:
-            if ctx % bs:
-                print(f"context {ctx} is not a multiple of block/page size {bs}")
-                return 2
+    problem = grid_error(args)
+    if problem:
+        print(f"vmkv compare kernels: {problem}")
+        return 2
     out_dir = Path(args.out)
     result: dict = {"args": vars(args), "decode": [], "prefill": []}
     from vmkv.compare.kernel_bench_peers import load_peers

@@ -18,7 +18,10 @@ Every variant is checked before it is timed: sequence 0 (decode) or the last 64 
 against the float64 reference, and every element against SDPA.  Timing: ``triton.testing.do_bench``
 (median, L2 flushed before every repetition, quantiles 20/80 as the spread).  Writes
 ``kernel_bench.json`` (environment, every point) ``kernel_bench.md`` and ``kernel_bench.png`` under
-``--out``.  Run: ``python compare/kernel_bench.py --tune --out DIR`` or ``vmkv compare kernels ...``.
+``--out``, rewritten as each point finishes (an interrupted run keeps what it measured).  Run:
+``python compare/kernel_bench.py --tune --out DIR`` or ``vmkv compare kernels ...``; on CPU
+(``TRITON_INTERPRET=1 ... --device cpu``, a functional smoke run) the grid defaults to a few small points
+(:data:`GRID_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -61,23 +64,50 @@ def _points(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in p.split("x")) for p in text.split(",")]  # type: ignore[misc]
 
 
+#: defaults of the grid and shape flags by device type.  CUDA: the measurement grid at Llama-3-8B's
+#: attention shape.  CPU, where the Triton kernels run in Triton's interpreter (a functional smoke run;
+#: the CUDA grid would run for days there): a few small points, about 30 s on 2 cores.
+GRID_DEFAULTS = {
+    "cuda": {"batches": "1,4,16,64,128,256", "contexts": "512,1024,4096,8192,32768",
+             "prefill_contexts": "1024,2048,4096,8192,16384,32768",
+             "flex_points": "64x4096,1x4096,256x4096,16x32768,64x32768", "megacache_layers": 32,
+             "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
+    "cpu": {"batches": "1,4", "contexts": "256,512", "prefill_contexts": "256", "flex_points": "2x256",
+            "megacache_layers": 2, "num_heads": 4, "num_kv_heads": 1, "head_dim": 128},
+}
+
+
+def _default(name: str) -> str:
+    cuda, cpu = GRID_DEFAULTS["cuda"][name], GRID_DEFAULTS["cpu"][name]
+    return f"default: {cuda} on cuda, {cpu} on cpu"
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with each grid or shape flag that was not given (None) at its device's default
+    (:data:`GRID_DEFAULTS`); a new namespace, ``args`` is left as it is."""
+    kind = "cuda" if torch.device(args.device).type == "cuda" else "cpu"
+    given = vars(args)
+    return argparse.Namespace(**{**given, **{k: v for k, v in GRID_DEFAULTS[kind].items() if given.get(k) is None}})
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--out", default="kernel_bench_out", help="output folder for JSON, markdown and PNG")
-    a("--batches", default="1,4,16,64,128,256", help="decode batch sizes")
-    a("--contexts", default="512,1024,4096,8192,32768", help="decode context lengths (tokens)")
+    a("--out", default="kernel_bench_out", help="output folder for JSON, markdown and PNG (rewritten as "
+      "each point finishes: an interrupted run keeps what it measured)")
+    a("--batches", help=f"decode batch sizes ({_default('batches')})")
+    a("--contexts", help=f"decode context lengths in tokens ({_default('contexts')})")
     a("--max-tokens", type=int, default=2 * 1024 * 1024, help="skip decode points with batch*context above")
-    a("--prefill-contexts", default="1024,2048,4096,8192,16384,32768")
+    a("--prefill-contexts", help=f"prefill context lengths in tokens ({_default('prefill_contexts')})")
     a("--block-sizes", default="16,256", help="paged block sizes (tokens)")
-    a("--flex-points", default="64x4096,1x4096,256x4096,16x32768,64x32768",
-      help="BATCHxCONTEXT decode points that also run flex_attention ('none' to skip; each compiles)")
+    a("--flex-points", help="BATCHxCONTEXT decode points that also run flex_attention ('none' to skip; each "
+      f"compiles; {_default('flex_points')})")
     a("--flex-page", type=int, default=128, help="page size (tokens) of the flex_attention paged block mask")
-    a("--megacache-layers", type=int, default=32, help="layers of the megacache reservation (fewer if "
-      "--megacache-budget-gb is exceeded; recorded per point)")
+    a("--megacache-layers", type=int, help="layers of the megacache reservation (fewer if "
+      f"--megacache-budget-gb is exceeded; recorded per point; {_default('megacache_layers')})")
     a("--megacache-budget-gb", type=float, default=64.0)
-    a("--num-heads", type=int, default=32)
-    a("--num-kv-heads", type=int, default=8)
-    a("--head-dim", type=int, default=128)
+    a("--num-heads", type=int, help=f"query heads ({_default('num_heads')})")
+    a("--num-kv-heads", type=int, help=f"KV heads ({_default('num_kv_heads')})")
+    a("--head-dim", type=int, help=f"head size ({_default('head_dim')})")
     a("--dtype", default="bf16", choices=sorted(DTYPES))
     a("--rep-ms", type=int, default=50, help="do_bench repetition budget per variant (ms)")
     a("--tune", action="store_true", help="sweep launch configs at batch 64 x 4096 (decode; split-K waves at "
@@ -96,6 +126,7 @@ def grid_error(args: argparse.Namespace) -> str | None:
     must be a multiple of every paged block size (``--block-sizes``), and the context of every
     ``--flex-points`` point a multiple of ``--flex-page`` (checked only for those points: without them
     flex_attention does not run)."""
+    args = resolve_defaults(args)
     block_sizes = _ints(args.block_sizes)
     for flag, value in (("--block-sizes", block_sizes), ("--flex-page", [args.flex_page])):
         bad = [b for b in value if b <= 0]
@@ -222,7 +253,7 @@ def _sdpa_flash(q, k, v, **kw):
 # ------------------------------------------------------------------------------------------ measuring
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+        self.args = args = resolve_defaults(args)
         self.device = torch.device(args.device)
         self.dtype = DTYPES[args.dtype]
         self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
@@ -457,9 +488,21 @@ class Bench:
         return log
 
 
+def plan_points(args: argparse.Namespace) -> list[tuple]:
+    """The points of a run in their order: ``("prefill", context)``, then ``("decode", batch, context)``
+    (batch * context at most ``--max-tokens``), then ``("flex", batch, context)`` (every shape compiles,
+    tens of seconds each on CUDA)."""
+    points: list[tuple] = [("prefill", ctx) for ctx in _ints(args.prefill_contexts)]
+    points += [("decode", batch, ctx) for ctx in _ints(args.contexts) for batch in _ints(args.batches)
+               if batch * ctx <= args.max_tokens]
+    points += [("flex", batch, ctx) for batch, ctx in _points(args.flex_points)]
+    return points
+
+
 def run(args: argparse.Namespace) -> int:
     from vmkv.compare.kernel_bench_report import summarize, write_outputs
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = resolve_defaults(args)
     bench = Bench(args)
     if bench.device.type == "cuda" and not torch.cuda.is_available():
         print("vmkv compare kernels: CUDA is not available; use --device cpu for a functional smoke run")
@@ -501,23 +544,30 @@ def run(args: argparse.Namespace) -> int:
             result.setdefault("failed_points", []).append({"point": list(point[:-2]), "error": repr(exc)[:500]})
             bench.release()
 
-    for ctx in _ints(args.prefill_contexts):
-        guarded(bench.prefill_point, ctx, result["prefill"], None)
-        logger.info("prefill %d done (%.0f s)", ctx, time.perf_counter() - t_start)
-    write_outputs(out_dir, result, with_plot=False)
-    for ctx in _ints(args.contexts):
-        for batch in _ints(args.batches):
-            if batch * ctx > args.max_tokens:
-                continue
-            guarded(bench.decode_point, batch, ctx, result["decode"], False)
-            logger.info("decode %dx%d done (%.0f s)", batch, ctx, time.perf_counter() - t_start)
-        write_outputs(out_dir, result, with_plot=False)
-    # flex_attention last: every shape compiles (tens of seconds each)
-    bench.only = {f"flex_paged_p{args.flex_page}"}
-    for batch, ctx in _points(args.flex_points):
-        guarded(bench.decode_point, batch, ctx, result["decode"], True)
-        logger.info("flex %dx%d done (%.0f s)", batch, ctx, time.perf_counter() - t_start)
-        write_outputs(out_dir, result, with_plot=False)
+    points = plan_points(args)
+    logger.info("%d points on %s; %s is rewritten as each finishes", len(points), bench.device,
+                out_dir / "kernel_bench.json")
+    done = 0
+    try:
+        for i, (kind, *shape) in enumerate(points, 1):
+            name = "x".join(map(str, shape))
+            logger.info("point %d/%d: %s %s ...", i, len(points), kind, name)
+            if kind == "prefill":
+                guarded(bench.prefill_point, *shape, result["prefill"], None)
+            else:   # flex: only the flex_attention variant (the others ran at the decode points)
+                bench.only = {f"flex_paged_p{args.flex_page}"} if kind == "flex" else None
+                guarded(bench.decode_point, *shape, result["decode"], kind == "flex")
+            logger.info("point %d/%d: %s %s done (%.0f s)", i, len(points), kind, name,
+                        time.perf_counter() - t_start)
+            write_outputs(out_dir, result, with_plot=False)
+            done = i
+    except KeyboardInterrupt:   # the variants measured so far are in result's rows already
+        result["interrupted"] = f"{done} of {len(points)} points finished"
+        result["wall_s"] = time.perf_counter() - t_start
+        paths = write_outputs(out_dir, result, with_plot=False)
+        print(f"vmkv compare kernels: interrupted ({result['interrupted']}); what was measured is in "
+              f"{paths['json']} and {paths['md']}")
+        return 130
     bench.only = None
     result["decode_config"] = bench.decode_cfg
     result["prefill_config"] = bench.prefill_cfg

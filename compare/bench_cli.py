@@ -34,7 +34,7 @@ from vmkv.compare.workloads import LengthDist, Request, WorkloadSpec, arrival_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "run", "build_requests", "for_sending", "make_client", "run_benchmark", "send_one", "model_cards",
+__all__ = ["add_arguments", "run", "build_requests", "for_sending", "make_client", "add_http_client_arg", "run_benchmark", "send_one", "model_cards",
            "vocab_size_of"]
 
 # frequent English words, each one BPE token with a leading space in common tokenizers
@@ -69,8 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    add_http_client_arg(p)
     p.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft:500,tpot:50")
     p.add_argument("--out", default=None, help="directory for bench.json and bench.md")
+
+
+def add_http_client_arg(p) -> None:
+    """``--http-client raw|httpx`` (``vmkv bench serve`` and ``vmkv compare serve``)."""
+    p.add_argument("--http-client", default="raw", choices=["raw", "httpx"],
+                   help="raw: HTTP/1.1 on asyncio streams, about a third of httpx's CPU per streamed chunk "
+                        "(vmkv.compare.sse_client); httpx: httpx.AsyncClient (default: %(default)s)")
 
 
 def build_requests(args) -> list[Request]:
@@ -184,8 +192,14 @@ async def send_one(client, url: str, body: dict, req: Request, headers: dict) ->
 
 
 def make_client(args, num_requests: int, transport=None):
-    """The ``httpx.AsyncClient`` :func:`run_benchmark` sends through: ``--timeout-s`` per request, a
-    connection per request in flight (``--max-concurrency`` or every request)."""
+    """The client :func:`run_benchmark` sends through: ``--http-client raw`` (the default; ``transport``
+    unset), :class:`vmkv.compare.sse_client.RawHTTPClient`, one connection per request, at most
+    ``--timeout-s`` each; ``httpx``, an ``httpx.AsyncClient`` (``--timeout-s`` per read, a connection per
+    request in flight: ``--max-concurrency`` or every request), always with a ``transport``."""
+    if transport is None and getattr(args, "http_client", "raw") == "raw":
+        from vmkv.compare.sse_client import RawHTTPClient
+
+        return RawHTTPClient(args.timeout_s)
     import httpx
 
     limits = httpx.Limits(max_connections=args.max_concurrency or num_requests or 1)

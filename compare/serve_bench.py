@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from vmkv.compare import engine_bench, report
+from vmkv.compare.bench_cli import add_http_client_arg
 from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.worker_proc import run_worker_process
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--client-processes", type=int, default=1,
                    help="load-client processes sharing each served run's requests (round robin, one agreed "
                         "start): more when one client process is busy near a whole core")
+    add_http_client_arg(s)
     s.add_argument("--start-timeout-s", type=float, default=900.0,
                    help="seconds a server may take to answer GET /health with 200 (model load, CUDA graphs)")
     s.add_argument("--graceful-timeout", type=float, default=10.0,
@@ -154,9 +156,10 @@ def _vocab(cards: list[dict], model: str, cfg: dict, runs: list[dict]) -> tuple[
                        "and no in-process run of this backend ran before (add inprocess to --paths)")
 
 
-def _client_cfg(base_url: str, model: str, cfg: dict, timeout_s: float, phases: list[dict]) -> dict:
+def _client_cfg(base_url: str, model: str, cfg: dict, args, phases: list[dict]) -> dict:
     return {"base_url": base_url, "model": model, "endpoint": "/v1/completions",
-            "temperature": float(cfg.get("temperature", 1.0)), "timeout_s": timeout_s, "phases": phases}
+            "temperature": float(cfg.get("temperature", 1.0)), "timeout_s": args.timeout_s,
+            "http_client": args.http_client, "phases": phases}
 
 
 def _server_metrics(base_url: str) -> dict[str, float]:
@@ -188,7 +191,7 @@ def _run_clients(n: int, requests: list[Request], base_url: str, model: str, cfg
                 done[i] = ev["done"]
                 on_done(sum(done))
 
-        ccfg = _client_cfg(base_url, model, cfg, args.timeout_s,
+        ccfg = _client_cfg(base_url, model, cfg, args,
                            [{"name": "run", "requests": encode_requests(parts[i]), "start_at": start_at}])
         results[i] = run_worker_process("vmkv.compare.serve_client", ccfg, out_dir, f"{name}.client{i}",
                                         args.timeout_s, None, on_event, {"client": i})
@@ -246,7 +249,7 @@ def run_served(cfg: dict, args, out_dir: Path, runs: list[dict], on_progress) ->
         warm = _warmup_phases(cfg, requests, max_model_len, vocab)
         if warm:
             w = run_worker_process("vmkv.compare.serve_client", _client_cfg(server.base_url, model, cfg,
-                                   args.timeout_s, warm), out_dir, f"{name}.warmup", args.timeout_s, None,
+                                   args, warm), out_dir, f"{name}.warmup", args.timeout_s, None,
                                    lambda ev: None, {})
             if "error" in w:
                 raise RuntimeError(f"warm-up client failed: {w['error']}")

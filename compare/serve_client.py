@@ -15,7 +15,7 @@ limits the served rows:
 A phase may start at an agreed ``start_at`` (``time.perf_counter``, ``CLOCK_MONOTONIC`` on Linux, shared
 by the host's processes) so that several client processes split one workload (``--client-processes``).
 
-Config: ``{"base_url", "model", "endpoint", "temperature", "timeout_s", "phases": [{"name", "requests":
+Config: ``{"base_url", "model", "endpoint", "temperature", "timeout_s", "http_client", "phases": [{"name", "requests":
 [[id, prompt_token_ids, output_len, arrival_s], ...], "start_at": float | null}]}``.  Progress goes to
 stdout as JSON lines (``{"event": "progress", "phase", "done", "total"}``); the result (every phase's
 records with absolute ``perf_counter`` times, and the measures above) is written to ``OUT.json``.
@@ -115,7 +115,8 @@ def run_client(cfg: dict, progress=_emit) -> dict:
     args = argparse.Namespace(base_url=cfg["base_url"], endpoint=cfg.get("endpoint", "/v1/completions"),
                               temperature=float(cfg.get("temperature", 1.0)), no_ignore_eos=False,
                               api_key=cfg.get("api_key"), max_concurrency=cfg.get("max_concurrency"),
-                              timeout_s=float(cfg.get("timeout_s", 600.0)))
+                              timeout_s=float(cfg.get("timeout_s", 600.0)),
+                              http_client=cfg.get("http_client", "raw"))
     phases = [(p["name"], decode_requests(p["requests"]), p.get("start_at")) for p in cfg["phases"]]
     progress({"event": "loaded", "load_s": 0.0, "total": sum(len(r) for _, r, _ in phases)})
 

@@ -162,7 +162,8 @@ def _describe(results: dict, runs: list[dict]) -> str:
             f"{w['input_len']}, output {w['output_len']} (ignore_eos), seed {w['seed']}, burstiness "
             f"{w['burstiness']}; max_model_len {results['max_model_len']}, max_num_seqs {a.get('max_num_seqs')}; "
             f"SLO {a.get('slo') or 'none'}; paths {', '.join(results['paths'])}; load client: "
-            f"{a.get('client_processes', 1)} process(es) of vmkv bench serve's client, streaming /v1/completions "
+            f"{a.get('client_processes', 1)} process(es) of vmkv bench serve's client ({a.get('http_client', 'raw')} HTTP), "
+            "streaming /v1/completions "
             "with token-id prompts")
 
 

@@ -221,18 +221,31 @@ class RunningServer:
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
 
 
-#: ``python -c`` program: ``vmkv`` with every engine step slowed by ``argv[1]`` seconds (a slower model,
-#: so that requests are reliably still running when the server is told to stop), then ``argv[2:]``
+def slow_engine(delay_s: float, **kwargs):
+    """Engine factory (runs in the engine core): ``LLMEngine.from_args(**kwargs)`` with every step
+    ``delay_s`` slower."""
+    from vmkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(**kwargs)
+    set_step_delay(engine, delay_s)
+    return engine
+
+
+#: ``python -c`` program: ``vmkv`` whose engine core steps are slowed by ``argv[1]`` seconds (a slower model,
+#: so that requests are reliably still running when the server is told to stop), then ``argv[2:]``; the
+#: tests folder is ``argv[2]``, so that the core process can import :func:`slow_engine`
 _SLOW_VMKV = """
-import sys, time
-from vmkv.engine.llm_engine import LLMEngine
-delay_s, real_step = float(sys.argv[1]), LLMEngine.step
-def slow_step(self):
-    time.sleep(delay_s)
-    return real_step(self)
-LLMEngine.step = slow_step
+import functools, sys
+sys.path.insert(0, sys.argv[2])
+import server_helpers
+from vmkv.server import async_engine
+real_init = async_engine.AsyncEngine.__init__
+def init(self, *args, **kwargs):
+    kwargs.setdefault("engine_factory", functools.partial(server_helpers.slow_engine, float(sys.argv[1])))
+    real_init(self, *args, **kwargs)
+async_engine.AsyncEngine.__init__ = init
 from vmkv.cli import main
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(sys.argv[3:]))
 """
 
 
@@ -245,7 +258,7 @@ class ServerProcess:
         serve = ["serve", "--model", str(model_dir), "--backend", "paged", "--port", str(self.port),
                  "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--memory-bytes", "2MiB",
                  "--device", "cpu", "--served-model-name", SERVED, "--log-level", "warning", *args]
-        cmd = [sys.executable, "-c", _SLOW_VMKV, str(step_delay_s), *serve] if step_delay_s \
+        cmd = [sys.executable, "-c", _SLOW_VMKV, str(step_delay_s), str(Path(__file__).parent), *serve] if step_delay_s \
             else [sys.executable, "-m", "vmkv.cli", *serve]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -17,7 +17,7 @@ sent from the loop's thread only (ZMQ sockets are not thread-safe).
 Lifecycle: :meth:`AsyncEngine.start_core` (blocking, before the event loop: the model loads, and a bad
 option fails the server before it listens), then :meth:`AsyncEngine.start` inside the loop,
 :meth:`AsyncEngine.add_request` / :meth:`AsyncEngine.call`, and :meth:`AsyncEngine.shutdown`, which
-stops the core (message, then SIGTERM, then SIGKILL) so that nothing outlives the server.
+stops the core (a message, then SIGKILL) so that nothing outlives the server.
 
 Aborts: leaving a :class:`RequestStream` early (client disconnect, cancellation, ``aclose()``) sends an
 abort; the core frees the request's KV before its next step.
@@ -207,6 +207,7 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._stopping = False
         self._stopped = False
+        self._shutdown_task: asyncio.Future | None = None
         self._dead: BaseException | None = None
         self.model_name = "model"
         self.max_model_len = 0
@@ -308,9 +309,14 @@ class AsyncEngine:
 
     async def shutdown(self, timeout_s: float = CORE_STOP_TIMEOUT_S) -> None:
         """End every open request (:class:`EngineShutdownError`), stop the core (Shutdown message, then
-        SIGTERM, then SIGKILL after ``timeout_s`` each) and wait for it.  Idempotent."""
-        if self._stopped or self._proc is None:
+        SIGKILL after ``timeout_s``) and wait for it.  Idempotent: a second call waits for the first."""
+        if self._proc is None or self._stopped:
             return
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(timeout_s))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, timeout_s: float) -> None:
         self._stopping = True
         for state, stream in list(self._requests.values()):
             stream._put(_CLOSED)
@@ -325,8 +331,8 @@ class AsyncEngine:
         proc = self._proc
         proc.join(timeout_s)
         if proc.is_alive():
-            logger.warning("engine core did not stop within %.1f s; sending SIGTERM", timeout_s)
-            self._kill_core(timeout_s)
+            logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)
+            self._kill_core()
         if self._wake_w >= 0:
             os.write(self._wake_w, b"x")          # the receiver thread stops
         if self._receiver is not None:
@@ -334,14 +340,12 @@ class AsyncEngine:
         self._close_sockets()
 
     def _kill_core(self, timeout_s: float = 5.0) -> None:
+        """SIGKILL the core (it ignores SIGTERM and SIGINT: this process decides when it stops)."""
         proc = self._proc
         if proc is None or not proc.is_alive():
             return
-        proc.terminate()
+        proc.kill()
         proc.join(timeout_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout_s)
 
     def _close_sockets(self) -> None:
         for sock in (self._to_core, self._from_core):
@@ -360,8 +364,8 @@ class AsyncEngine:
             self._ipc_dir = None
 
     def close_sync(self) -> None:
-        """Stop the core without an event loop (a server that never started serving)."""
-        if self._proc is None or self._stopped:
+        """Stop the core without an event loop (after the loop ended, or when it never ran)."""
+        if self._proc is None or self._stopped or self._shutdown_task is not None:
             return
         if self._dead is None and self._to_core is not None:
             self._send(proto.Shutdown())

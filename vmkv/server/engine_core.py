@@ -16,9 +16,10 @@ Failures: a request the engine refuses gets :class:`~vmkv.server.core_protocol.R
 that fails in a step is reported with its ``error`` (the engine's failure isolation); a fatal error
 (:func:`~vmkv.engine.errors.is_fatal_error`), or :data:`MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a
 row, sends :class:`~vmkv.server.core_protocol.EngineFailed` and exits with status 1.  The core never
-outlives its front: it asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) and
-checks ``os.getppid()`` between steps; SIGINT is ignored (Ctrl-C reaches the whole process group;
-the front decides how to stop).
+outlives its front: it asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``) and
+checks ``os.getppid()`` between steps.  SIGINT and SIGTERM are ignored: Ctrl-C, ``timeout`` and systemd
+signal the whole process group, and the front, which lets running requests finish first, decides when
+the core stops (a Shutdown message, or SIGKILL after its timeout).
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ def engine_info(engine: Any) -> dict[str, Any]:
 
 
 def _die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux; elsewhere the ``getppid`` check remains)."""
+    """SIGKILL this process when its parent dies (Linux; elsewhere the ``getppid`` check remains)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
@@ -91,6 +92,7 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
     """
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)

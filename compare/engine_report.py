@@ -186,9 +186,9 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
               ("KV memory and allocation", MEMORY_COLUMNS, memory_rows(runs)),
               ("Ratios (lower is better for latency, higher for throughput)", RATIO_COLUMNS, ratio_rows(runs))]
     console.print(desc)
-    for title, cols, rows in tables:
-        if rows:
-            console.print(report.make_table(title, cols, rows))
+    for title, cols, rows in tables:   # split to the console's width: a cut cell ("8.0M/…") says nothing
+        for table in report.fitting_tables(console, title, cols, rows) if rows else []:
+            console.print(table)
     failed = [r for r in runs if "error" in r]
     plots = []
     try:

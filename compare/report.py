@@ -162,15 +162,48 @@ def fmt_num(x: float | None, digits: int = 2) -> str:
 
 
 def make_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]):
-    """A :class:`rich.table.Table` (numbers right-aligned, first column left)."""
+    """A :class:`rich.table.Table` (numbers right-aligned, first column left).  On a console narrower
+    than the table its cells wrap and fold, never cut with an ellipsis (:func:`fitting_tables` splits
+    the columns instead)."""
     from rich.table import Table
 
     table = Table(title=title, show_lines=False, header_style="bold")
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
     for row in rows:
         table.add_row(*[str(c) for c in row])
     return table
+
+
+def fitting_tables(console, title: str, columns: Sequence[str], rows: Iterable[Sequence[str]],
+                   key_columns: int = 2) -> list:
+    """:func:`make_table` as one table when it fits ``console.width``, else as several that each fit:
+    the columns in order, every part repeating the first ``key_columns`` (which row is which) and
+    titled ``title (i/n)``.  A part of one key and one other column that is still too wide folds."""
+    from rich.measure import Measurement
+
+    rows = [list(r) for r in rows]
+
+    def part(cols: list[int], part_title: str):
+        return make_table(part_title, [columns[i] for i in cols], [[r[i] for i in cols] for r in rows])
+
+    unbounded = console.options.update_width(1 << 20)   # the natural width, not clamped to the console's
+
+    def fits(cols: list[int]) -> bool:
+        return Measurement.get(console, unbounded, part(cols, title)).maximum <= console.width
+
+    keys = list(range(min(key_columns, len(columns))))
+    groups, current = [], list(keys)
+    for i in range(len(keys), len(columns)):
+        if len(current) > len(keys) and not fits(current + [i]):
+            groups.append(current)
+            current = keys + [i]
+        else:
+            current.append(i)
+    groups.append(current)
+    if len(groups) == 1:
+        return [make_table(title, columns, rows)]
+    return [part(g, f"{title} ({n}/{len(groups)})") for n, g in enumerate(groups, 1)]
 
 
 def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -180,10 +213,11 @@ def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str
 
 
 def console():
-    """A rich console; 160 columns when stdout is not a terminal (logs, CI), so tables do not wrap."""
+    """A rich console: the terminal's width, or ``COLUMNS`` when set (rich reads it); 160 columns when
+    stdout is not a terminal and ``COLUMNS`` is not set (logs, CI)."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return Console() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else Console(width=160)
 
 
 def fmt_size(n: int, digits: int | None = None) -> str:

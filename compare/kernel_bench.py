@@ -37,10 +37,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vmkv.kernels import _checks
 from vmkv.kernels import reference as ref
-from vmkv.kernels.decode_attention import choose_num_splits, decode_attention, default_launch
-from vmkv.kernels.prefill_attention import default_config, prefill_attention
 from vmkv.kvcache.spec import TORCH_DTYPES
+
+if _checks.triton_available():  # else run() says what to install (a CPU-only install has no triton)
+    from vmkv.kernels.decode_attention import choose_num_splits, decode_attention, default_launch
+    from vmkv.kernels.prefill_attention import default_config, prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -503,6 +506,10 @@ def run(args: argparse.Namespace) -> int:
     from vmkv.compare.kernel_bench_report import summarize, write_outputs
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = resolve_defaults(args)
+    if not _checks.triton_available():
+        print("vmkv compare kernels: needs triton, which a CPU-only install leaves out: pip install "
+              "'vmkv[cuda]' on a GPU machine, or pip install triton for the CPU smoke run")
+        return 2
     bench = Bench(args)
     if bench.device.type == "cuda" and not torch.cuda.is_available():
         print("vmkv compare kernels: CUDA is not available; use --device cpu for a functional smoke run")

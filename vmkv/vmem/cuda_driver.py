@@ -36,7 +36,11 @@ class CudaDriver(VMMDriver):
     invalid_code = "CUDA_ERROR_INVALID_VALUE"
 
     def __init__(self, device: torch.device | str = "cuda", page_size_bytes: int | None = None) -> None:
-        from cuda.bindings import driver as cu  # noqa: PLC0415 - only this driver needs cuda-python
+        try:
+            from cuda.bindings import driver as cu  # noqa: PLC0415 - only this driver needs cuda-python
+        except ImportError as exc:
+            raise ImportError("the vmem backend's CUDA driver needs cuda-python, an optional dependency: "
+                              "pip install 'vmkv[cuda]' (or driver='host' to run on host memory)") from exc
 
         device = torch.device(device)
         if device.type != "cuda":

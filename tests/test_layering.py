@@ -12,7 +12,8 @@ Layers (installed names; ``paged/``, ``kernels/`` and ``compare/`` install as ``
 - ``vmkv.engine`` imports the interface (``vmkv.kvcache``) and the model, never a backend or a kernel.
 - ``vmkv.server`` goes through ``vmkv.engine``.
 - ``vmkv.compare`` goes through ``vmkv.engine``, and may use ``vmkv.kvcache`` and ``vmkv.kernels``
-  for microbenchmarks and ``vmkv.model.config`` for the named model shapes; never a backend.
+  for microbenchmarks, ``vmkv.model.config`` for the named model shapes and the server's wire format
+  (``vmkv.server.core_protocol``, which ``compare/ipc_bench.py`` measures); never a backend.
 - Only the registry names a backend: no other module outside a backend holds the string
   ``"vmkv.paged"`` / ``"vmkv.vmem"``.
 - ``cuda.bindings`` is imported only by the CUDA driver.
@@ -41,7 +42,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "vmkv.model": ("vmkv.kvcache.base", "vmkv.kernels.fused_ops", "vmkv.kernels.fused_reference"),
     "vmkv.engine": ("vmkv.kvcache", "vmkv.model"),
     "vmkv.server": ("vmkv.engine",),
-    "vmkv.compare": ("vmkv.engine", "vmkv.kvcache", "vmkv.kernels", "vmkv.model.config"),
+    "vmkv.compare": ("vmkv.engine", "vmkv.kvcache", "vmkv.kernels", "vmkv.model.config",
+                     "vmkv.server.core_protocol"),
     # the console script and the package root wire the layers together (lazily, inside subcommands)
     "vmkv.cli": ("vmkv.engine", "vmkv.server", "vmkv.compare"),
     "vmkv": ("vmkv.engine", "vmkv.kvcache"),

@@ -32,7 +32,8 @@ _VALUE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--m
                 "kv_reserve_bytes": "--kv-reserve", "kv_shrink_grace_s": "--kv-shrink-grace-s",
                 "max_span_bytes": "--max-span-bytes"}
 #: knob -> (flag when True, flag when False); None: a store_true flag, nothing to pass for False
-_BOOL_FLAGS = {"enforce_eager": ("--enforce-eager", None), "async_scheduling": ("--async-scheduling", None),
+_BOOL_FLAGS = {"enforce_eager": ("--enforce-eager", None),
+               "async_scheduling": ("--async-scheduling", "--no-async-scheduling"),
                "preallocate": ("--preallocate", "--no-preallocate"),
                "enable_prefix_caching": ("--enable-prefix-caching", "--no-enable-prefix-caching")}
 

@@ -178,9 +178,11 @@ def add_graph_args(g) -> None:
                         "replay graphs captured at start-up on CUDA)")
     g.add_argument("--cuda-graph-sizes", type=positive_int, nargs="+", default=None, metavar="B",
                    help="decode batch sizes to capture (default: 1 2 4 8 16 ... up to --max-num-seqs)")
-    g.add_argument("--async-scheduling", action="store_true", default=EngineConfig().async_scheduling,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig().async_scheduling,
                    help="launch the next decode step before this one's tokens reach the host (host work "
-                        "overlaps the device; outputs one step later)")
+                        "overlaps the device; outputs one step later; default: on, --no-async-scheduling "
+                        "turns it off)")
 
 
 def add_parallel_args(g) -> None:

@@ -205,7 +205,7 @@ class EngineConfig:
             steps run eagerly.
         async_scheduling: launch the next decode step before this one's sampled tokens reach the host
             (vLLM's ``--async-scheduling``; :mod:`vmkv.engine.async_scheduling`): host work overlaps
-            the device; outputs arrive one step later.
+            the device; outputs arrive one step later.  On by default (``--no-async-scheduling``).
         tensor_parallel_size: ranks the model is split over (vLLM's ``--tensor-parallel-size``): one
             process per rank (rank 0 is this one), the heads, intermediate size and vocabulary
             sharded, each rank's KV cache holding ``num_kv_heads / N`` heads; gloo on CPU, NCCL on
@@ -223,7 +223,7 @@ class EngineConfig:
     random_weights: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_http_client_arg(p) -> None:
     """``--http-client raw|httpx`` (``vmkv bench serve`` and ``vmkv compare serve``)."""
     p.add_argument("--http-client", default="raw", choices=["raw", "httpx"],
-                   help="raw: HTTP/1.1 on asyncio streams, about a third of httpx's CPU per streamed chunk "
+                   help="raw: HTTP/1.1 on asyncio streams, about half of httpx's CPU per streamed chunk "
                         "(vmkv.compare.sse_client); httpx: httpx.AsyncClient (default: %(default)s)")
 
 

@@ -217,7 +217,8 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
            f"{CLIENT_BUSY_CORES} cores or its loop lag p99 >= {CLIENT_LOOP_LAG_MS:g} ms (then rerun with more "
            "--client-processes). Server cores: CPU time of the server's process tree from /proc (role and "
            "cores per process, pids in results.json: server = the HTTP process, child = e.g. its engine core); in-process cores: the "
-           "engine worker's process. Stop: SIGTERM, exit status 0 and no process of the tree left. Raw: "
+           "engine worker's process (a process waiting on CUDA spin-waits by default: ~1 core means never idle, not "
+           "necessarily CPU-bound). Stop: SIGTERM, exit status 0 and no process of the tree left. Raw: "
            "`raw/*.json` (requests), `raw/*.server.log`, `raw/*.client*.json`.", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out_dir / "summary.md").write_text("\n".join(md) + "\n")

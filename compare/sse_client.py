@@ -2,10 +2,11 @@
 ``vmkv bench serve`` (``--http-client raw``).
 
 A load client that shares one event loop with every stream it times must cost little per streamed chunk,
-or it becomes what a served run measures.  Through ``httpx`` (``httpcore``, ``h11``, ``anyio``) a chunk of
-an SSE stream costs about 115-135 us of CPU on the project's 2-core CPU machine; read straight off an
-``asyncio.StreamReader`` about 35-40 us (a fake SSE server, 100 streams, ~9,500 chunks).  At the ~7,000
-chunks/s of issue 22's served run that is the difference between most of a core and a quarter of one.
+or it becomes what a served run measures.  Measured on the project's 2-core CPU machine against a fake SSE
+server (100 streams, ~9,500 chunks), :func:`vmkv.compare.bench_cli.send_one` spends about 65 us of CPU per
+chunk through this client and about 115 us through ``httpx`` (``httpcore``, ``h11``, ``anyio``: a timeout
+scope and several layers per read); the rest is the event loop and the ``recv`` per chunk.  At the ~7,000
+chunks/s of issue 22's served run that is about 0.45 of a core against 0.8 on that machine.
 
 :class:`RawHTTPClient` has the part of ``httpx.AsyncClient``'s interface that
 :func:`vmkv.compare.bench_cli.send_one` uses: ``async with client.stream("POST", url, json=body,

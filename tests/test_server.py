@@ -539,7 +539,7 @@ def test_request_models_are_strict_and_bounded():
     assert CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
     assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
     for bad in ({"prompt": "x", "temperature": "1"}, {"prompt": "x", "n": 1.5}, {"prompt": "x", "stream": 1},
-                {"prompt": "x", "stop": ["a"] * 17}, {"prompt": "x", "presence_penalty": 0.5},
+                {"prompt": "x", "stop": ["a"] * 17}, {"prompt": "x", "presence_penalty": 2.5},
                 {"prompt": [[]]}, {"prompt": "x", "best_of": 3}):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate(bad)

@@ -74,7 +74,17 @@ RANGE_CASES = [
     ("frequency_penalty_minus_3", CHAT_URL, {"messages": _MSG, "frequency_penalty": -3}, "frequency_penalty",
      "[-2, 2]"),
     ("repetition_penalty_zero", CHAT_URL, {"messages": _MSG, "repetition_penalty": 0}, "repetition_penalty",
-     "(0, 2]"),
+     "(0, inf)"),
+    ("repetition_penalty_inf", CHAT_URL, {"messages": _MSG, "repetition_penalty": float("inf")},
+     "repetition_penalty", "(0, inf)"),
+    ("min_tokens_negative", CHAT_URL, {"messages": _MSG, "min_tokens": -1}, "min_tokens", f"[0, {INT32_MAX}]"),
+    ("min_tokens_above_max_tokens", COMPLETIONS_URL, {"prompt": "the", "max_tokens": 3, "min_tokens": 4},
+     "min_tokens", "at most max_tokens=3"),
+    ("logit_bias_101", CHAT_URL, {"messages": _MSG, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ("logit_bias_key_not_an_id", CHAT_URL, {"messages": _MSG, "logit_bias": {"x5": 1}}, "logit_bias",
+     "decimal strings"),
+    ("logit_bias_outside_vocab", COMPLETIONS_URL, {"prompt": "the", "logit_bias": {"5000": 1}}, "logit_bias",
+     "vocabulary"),
     ("seed_2_pow_64", CHAT_URL, {"messages": _MSG, "seed": 2**64}, "seed", "[0, 9223372036854775807]"),
     ("top_logprobs_21", CHAT_URL, {"messages": _MSG, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ("stop_token_id_negative", CHAT_URL, {"messages": _MSG, "stop_token_ids": [-1]}, "stop_token_ids.0",
@@ -102,9 +112,9 @@ def test_every_sampling_parameter_is_range_checked_at_the_edge(server, case):
 
 
 def test_a_rejected_value_is_named_once(server):
-    err = _error(post_json(server.http, CHAT_URL, {"messages": _MSG, "presence_penalty": 0.5}))
-    assert err["param"] == "presence_penalty" and "not supported" in err["message"]
-    assert err["message"].count("0.5") == 1, err["message"]  # was "got 0.5 (got 0.5)"
+    err = _error(post_json(server.http, CHAT_URL, {"messages": _MSG, "top_logprobs": 3}))
+    assert err["param"] == "top_logprobs" and "not supported" in err["message"]
+    assert err["message"].count("3") == 1, err["message"]  # was "got 3 (got 3)"
     err = _error(post_json(server.http, CHAT_URL, {"messages": _MSG, "top_k": 2**63}))
     assert err["message"].count(str(2**63)) == 1, err["message"]
 
@@ -122,6 +132,20 @@ def test_in_range_extensions_and_neutral_values_are_accepted(server):
     assert r.status_code == 200, r.text
 
 
+def test_vllm_sampling_fields_are_accepted(server):
+    """Refused with "not supported" before issue 25 (item 1); now run by the sampler."""
+    body = {"messages": _MSG, "max_tokens": 4, "temperature": 0, "min_tokens": 2, "min_p": 0.1,
+            "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+            "logit_bias": {"5": 100, "6": -100.0}, "include_stop_str_in_output": True, "stop": ["x"]}
+    r = post_json(server.http, CHAT_URL, body)
+    assert r.status_code == 200, r.text
+    r = post_json(server.http, COMPLETIONS_URL, {"prompt": "the", "max_tokens": 3, "min_tokens": 3,
+                                                 "logit_bias": {"5": 100}, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [5, 5, 5]      # a bias of 100 wins every step
+    server.assert_alive()
+
+
 # ---------------------------------------------------------------------------- unsupported fields
 UNSUPPORTED_CASES = [
     # (id, url, body, param); each would change the result and is not implemented
@@ -135,7 +159,6 @@ UNSUPPORTED_CASES = [
     ("functions", CHAT_URL, {"messages": _MSG, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("function_call", CHAT_URL, {"messages": _MSG, "function_call": "auto"}, "function_call"),
     ("tools", CHAT_URL, {"messages": _MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("logit_bias", CHAT_URL, {"messages": _MSG, "logit_bias": {"5": 100}}, "logit_bias"),
     ("logprobs_chat", CHAT_URL, {"messages": _MSG, "logprobs": True}, "logprobs"),
     ("top_logprobs", CHAT_URL, {"messages": _MSG, "top_logprobs": 3}, "top_logprobs"),
     ("logprobs_completion", COMPLETIONS_URL, {"prompt": "the", "logprobs": 2}, "logprobs"),
@@ -147,14 +170,7 @@ UNSUPPORTED_CASES = [
     ("guided_regex", CHAT_URL, {"messages": _MSG, "guided_regex": "a+"}, "guided_regex"),
     ("structured_outputs", CHAT_URL, {"messages": _MSG, "structured_outputs": {"choice": ["a"]}},
      "structured_outputs"),
-    ("presence_penalty", CHAT_URL, {"messages": _MSG, "presence_penalty": 0.5}, "presence_penalty"),
-    ("frequency_penalty", COMPLETIONS_URL, {"prompt": "the", "frequency_penalty": -1}, "frequency_penalty"),
-    ("repetition_penalty", CHAT_URL, {"messages": _MSG, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("min_p", CHAT_URL, {"messages": _MSG, "min_p": 0.1}, "min_p"),
-    ("min_tokens", CHAT_URL, {"messages": _MSG, "min_tokens": 5}, "min_tokens"),
     ("use_beam_search", COMPLETIONS_URL, {"prompt": "the", "use_beam_search": True}, "use_beam_search"),
-    ("include_stop_str_in_output", CHAT_URL, {"messages": _MSG, "include_stop_str_in_output": True},
-     "include_stop_str_in_output"),
     ("bad_words", CHAT_URL, {"messages": _MSG, "bad_words": ["the"]}, "bad_words"),
     ("allowed_token_ids", CHAT_URL, {"messages": _MSG, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("truncate_prompt_tokens", COMPLETIONS_URL, {"prompt": "the", "truncate_prompt_tokens": 2},
@@ -169,8 +185,6 @@ UNSUPPORTED_CASES = [
      "add_generation_prompt"),
     ("message_tool_calls", CHAT_URL, {"messages": [*_MSG, {"role": "assistant", "content": "x", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.1.tool_calls"),
-    ("continuous_usage_stats", CHAT_URL, {"messages": _MSG, "stream": True, "stream_options": {
-        "include_usage": True, "continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ("best_of_above_n", COMPLETIONS_URL, {"prompt": "the", "best_of": 2}, "best_of"),
 ]
 
@@ -184,8 +198,8 @@ def test_fields_that_would_change_the_result_are_refused(server, case):
     assert "not supported" in err["message"] or "only best_of == n" in err["message"], err["message"]
     # the value sent is named too, dicts and lists included (cut to 80 characters)
     assert "(got " in err["message"], err["message"]
-    if param == "logit_bias":
-        assert '{"5": 100}' in err["message"], err["message"]
+    if param == "response_format" and url == CHAT_URL:
+        assert '{"type": "json_object"}' in err["message"], err["message"]
 
 
 # ---------------------------------------------------------------------------- lone surrogates

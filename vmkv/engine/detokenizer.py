@@ -116,44 +116,63 @@ class OutputText:
         prompt_token_ids: the prompt's ids (decoding context for the first output token).
         stop: stop strings (``None`` or empty: none).
         skip_special_tokens: leave special tokens out of the text.
+        min_tokens: stop strings are looked for only in the text of output token ``min_tokens + 1`` on
+            (vLLM: a stop string cannot end the output before ``min_tokens`` tokens).
+        include_stop_str: the text keeps the stop string that ends it (vLLM's
+            ``include_stop_str_in_output``); nothing is held back then.
 
     Attributes:
-        text: the decoded output, cut before a stop string once one is found (including a tail
-            that may still become a stop string: see :meth:`emitted`).
+        text: the decoded output, cut before a stop string once one is found (after it with
+            ``include_stop_str``), including a tail that may still become a stop string (see
+            :meth:`emitted`).
+        include_stop_str: as given.
     """
 
-    __slots__ = ("_detok", "_stop", "text")
+    __slots__ = ("_detok", "_stop", "_min_tokens", "_num_tokens", "include_stop_str", "text")
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] | None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, *, min_tokens: int = 0, include_stop_str: bool = False) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = list(stop or ())
+        self._min_tokens = int(min_tokens)
+        self._num_tokens = 0
+        self.include_stop_str = bool(include_stop_str)
         self.text = ""
+
+    @classmethod
+    def for_params(cls, tokenizer, prompt_token_ids: Sequence[int], params) -> "OutputText":
+        """The text state of a completion with these ``SamplingParams`` (stop strings, special tokens,
+        ``min_tokens``, ``include_stop_str_in_output``): the engine's and the server front's, alike."""
+        return cls(tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                   min_tokens=params.min_tokens, include_stop_str=params.include_stop_str_in_output)
 
     def add_token(self, token_id: int, final: bool) -> str | None:
         """Decode one more output token (``final``: it is the last one; flush the decoder).
 
         Returns:
-            the stop string the new text completed (``text`` is then cut right before it), or ``None``.
+            the stop string the new text completed (``text`` is then cut right before it, or right
+            after it with ``include_stop_str``), or ``None``.
         """
+        self._num_tokens += 1
         delta = self._detok.add_token(token_id)
         if final:
             delta += self._detok.flush()
         if not delta:
             return None
         self.text += delta
-        if self._stop:
+        if self._stop and self._num_tokens > self._min_tokens:
             hit = find_stop_string(self.text, self._stop, len(delta))
             if hit is not None:
                 idx, s = hit
-                self.text = self.text[:idx]
+                self.text = self.text[:idx + len(s) if self.include_stop_str else idx]
                 return s
         return None
 
     def emitted(self, finished: bool) -> str:
         """Text that may be shown: everything once ``finished``, else without a tail that could be the
-        start of a stop string."""
-        if finished or not self._stop:
+        start of a stop string (nothing is held back with ``include_stop_str``: the text before a stop
+        string is output either way)."""
+        if finished or not self._stop or self.include_stop_str:
             return self.text
         hold = stop_holdback_len(self.text, self._stop)
         return self.text[:len(self.text) - hold] if hold else self.text

@@ -68,8 +68,9 @@ class InputProcessor:
         Raises:
             PromptTooLongError: the prompt has ``>= max_model_len`` tokens (or its text certainly does).
             ValueError: empty prompt, token ids that are not ints or are outside the vocabulary,
-                ``n > max_num_seqs``, stop strings without a tokenizer, a bad ``cache_salt``, a
-                sampling parameter out of range, text with a lone surrogate.
+                ``n > max_num_seqs``, stop strings without a tokenizer, ``logit_bias`` ids outside
+                the vocabulary, a bad ``cache_salt``, a sampling parameter out of range, text with a
+                lone surrogate.
         """
         check_cache_salt(cache_salt)
         params.validate()
@@ -84,6 +85,10 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"stop strings need a tokenizer and this model has none (got "
                                       f"{params.stop[0]!r}); use stop_token_ids", param="stop")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", param="logit_bias")
         return ProcessedRequest(prompt, ids, params, cache_salt)
 
     def check_token_ids(self, prompt_token_ids: Any) -> list[int]:

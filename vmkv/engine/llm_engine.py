@@ -102,7 +102,8 @@ class LLMEngine:
                                    sizes=config.cuda_graph_sizes, max_num_seqs=r.max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
                                   prefetch_tokens=r.prefetch_tokens, cuda_graphs=graphs,
-                                  upcoming=self.scheduler.upcoming_admissions)
+                                  upcoming=self.scheduler.upcoming_admissions,
+                                  eos_token_ids=self.eos_token_ids)
         self.requests = RequestTable(self.scheduler)
         self.steps = StepDriver(self.scheduler, self.runner, self.requests, self.device,
                                 ahead=config.async_scheduling)

@@ -26,7 +26,7 @@ import torch
 
 from vmkv.engine.errors import is_fatal_error
 from vmkv.engine.host_copy import to_device
-from vmkv.engine.sampler import Sampler, SamplingRow
+from vmkv.engine.sampler import LogitsProcessing, Sampler, SamplingRow
 from vmkv.engine.scheduler import SchedulerOutput
 from vmkv.engine.sequence import Sequence
 from vmkv.kvcache.base import KVCache, KVCacheFullError, StepSeq
@@ -91,6 +91,7 @@ class ModelRunner:
         upcoming: ``() -> waiting sequences`` the next step admits first (the scheduler's
             ``upcoming_admissions``); their lengths, token ids and cache salts go to
             ``kv_cache.prefetch_admission`` while the forward runs.
+        eos_token_ids: the model's EOS ids, never sampled before a request's ``min_tokens``.
 
     Attributes:
         forward_time_s_total: seconds in :meth:`execute` (prepare, forward, prefetch, sampling).
@@ -104,7 +105,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 prefetch_tokens: int = 0, cuda_graphs=None, upcoming=None) -> None:
+                 prefetch_tokens: int = 0, cuda_graphs=None, upcoming=None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         if isinstance(prefetch_tokens, bool) or not isinstance(prefetch_tokens, int) or prefetch_tokens < 0:
             raise ValueError(f"prefetch_tokens must be an int >= 0, got {prefetch_tokens!r}")
         self.model = model
@@ -118,6 +120,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.num_graph_steps = 0
         self.upcoming = upcoming
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._turn = 0
 
@@ -173,7 +176,8 @@ class ModelRunner:
             for idx in group.sample_indices(s.seq):
                 p.row_index.append(i)
                 p.rows.append(SamplingRow(params.temperature, params.effective_top_k, params.top_p,
-                                          group.generators[idx]))
+                                          group.generators[idx],
+                                          self._processing(s, idx) if params.processes_logits else None))
                 p.owners.append(s.seq)
         self._host_kv_work(p.owners)
         if p.rows:
@@ -190,6 +194,21 @@ class ModelRunner:
                 p.host, p.event = self._copy_to_host(p.tokens)
         self.forward_time_s_total += time.perf_counter() - t0
         return p
+
+    def _processing(self, s, index: int) -> LogitsProcessing:
+        """Completion ``index``'s logits processing in this step (its request has some:
+        ``SamplingParams.processes_logits``).  ``min_tokens`` counts the output tokens the completion has
+        before this sample: the sequence's, plus the token still on the device when the step was launched
+        ahead (``s.ahead``); a completion forked from this row has none yet."""
+        group = s.seq.group
+        params = group.params
+        num_output = len(s.seq.output_token_ids) + int(s.ahead) if index == s.seq.index else 0
+        suppress: tuple[int, ...] = ()
+        if num_output < params.min_tokens:
+            suppress = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else self.eos_token_ids)
+        return LogitsProcessing(suppress, params.logit_bias, params.repetition_penalty,
+                                params.frequency_penalty, params.presence_penalty, params.min_p,
+                                group, index, group.prompt_token_ids)
 
     def collect(self, p: PendingStep) -> StepResult:
         """Wait for a launched step's sampled tokens and return them per sequence."""

@@ -79,7 +79,7 @@ class Sequence:
         #: detokenization and stop strings (``None``: no tokenizer, or ``params.detokenize`` is off and
         #: whoever reads the token ids does both, as the server's front process does)
         self.output_text_state = (
-            OutputText(group.tokenizer, group.prompt_token_ids, params.stop, params.skip_special_tokens)
+            OutputText.for_params(group.tokenizer, group.prompt_token_ids, params)
             if group.tokenizer is not None and params.detokenize else None)
 
     # ------------------------------------------------------------------ tokens
@@ -127,19 +127,22 @@ class Sequence:
 
     def append_token(self, token_id: int, eos_token_ids: Seq[int], max_model_len: int) -> None:
         """Add a sampled token; detokenize it and apply the stop conditions (vLLM order: EOS,
-        stop token ids, length; a stop string found in the new text overrides ``length``)."""
+        stop token ids, length; a stop string found in the new text overrides ``length``).  Before
+        ``min_tokens`` output tokens nothing but the length stops it (vLLM's ``check_stop``; the sampler
+        does not draw EOS or a stop token id then, and ``OutputText`` does not look for stop strings)."""
         params = self.group.params
         self.output_token_ids.append(int(token_id))
         stopped_by_token = False
-        if not params.ignore_eos and token_id in eos_token_ids:
+        may_stop = len(self.output_token_ids) >= params.min_tokens
+        if may_stop and not params.ignore_eos and token_id in eos_token_ids:
             self.finish_reason, self.stop_reason, stopped_by_token = "stop", None, True
-        elif params.stop_token_ids and token_id in params.stop_token_ids:
+        elif may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
             self.finish_reason, self.stop_reason, stopped_by_token = "stop", int(token_id), True
         elif (params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens) \
                 or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
-        if self.output_text_state is None or stopped_by_token:
-            return                      # a stop token's own text is not part of the output
+        if self.output_text_state is None or (stopped_by_token and not params.include_stop_str_in_output):
+            return                      # a stop token's own text is not part of the output (unless asked)
         hit = self.output_text_state.add_token(token_id, final=self.finish_reason is not None)
         if hit is not None:
             self.finish_reason, self.stop_reason = "stop", hit

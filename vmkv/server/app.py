@@ -298,9 +298,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         serving.check_model(req.model)
         request_id = random_id("chatcmpl")
         arrival, created = now()
-        stream, _info = await serving.chat_stream(req, request_id, arrival)
+        stream, info = await serving.chat_stream(req, request_id, arrival)
         if req.stream:
-            return SSEResponse(serving.chat_sse(req, request_id, created, stream),
+            return SSEResponse(serving.chat_sse(req, request_id, created, stream, info),
                                on_close=lambda: _abort_unfinished([stream]))
         finals = await _collect(request, [stream])
         if finals is None:

@@ -46,8 +46,9 @@ class _Completion:
             final = k == last and finish_reason is not None
             if final:
                 self.finish_reason, self.stop_reason = finish_reason, stop_reason
-            if self.text is None or (final and finish_reason == "stop"):
+            if self.text is None or (final and finish_reason == "stop" and not self.text.include_stop_str):
                 continue                         # the core stops by token only: that token has no text
+                                                 # (unless include_stop_str_in_output asks for it)
             hit = self.text.add_token(token, final=final)
             if hit is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
@@ -81,8 +82,8 @@ class RequestState:
         self.n = int(params.n)
         detok = tokenizer is not None and params.detokenize
         self.completions = [
-            _Completion(i, OutputText(tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
-                        if detok else None) for i in range(self.n)]
+            _Completion(i, OutputText.for_params(tokenizer, prompt_token_ids, params) if detok else None)
+            for i in range(self.n)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.error: str | None = None

@@ -23,6 +23,7 @@ Unknown fields, and known ones that do not change the result (``user``, ``metada
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -45,6 +46,7 @@ __all__ = [
     "MAX_STOP_SEQUENCE_CHARS",
     "MAX_STOP_TOKEN_IDS",
     "MAX_CACHE_SALT_CHARS",
+    "MAX_LOGIT_BIAS_ENTRIES",
     "INT32_MAX",
     "Unsupported",
     "ErrorInfo",
@@ -81,6 +83,8 @@ MAX_STOP_SEQUENCE_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 #: longest ``cache_salt`` (characters): a tenant id, not a payload
 MAX_CACHE_SALT_CHARS = 4096
+#: most ``logit_bias`` entries one request may give (each is applied to its logits every step)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 #: upper bound of every token count and token id field
 INT32_MAX = (1 << 31) - 1
 #: upper bound of ``seed`` (a signed 64-bit integer)
@@ -115,18 +119,18 @@ class ErrorResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------------- field rules
-def _within(lo: float, hi: float, *, lo_open: bool = False, also: tuple[int, ...] = (),
+def _within(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False, also: tuple[int, ...] = (),
             note: str = "") -> AfterValidator:
     """Range check of a number field: ``None``, one of ``also``, or ``lo <= value <= hi`` (``lo < value``
-    when ``lo_open``).  NaN is out of every range.  The message names the range; the error handler adds
-    the value (so it is never printed twice)."""
-    interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    when ``lo_open``, ``value < hi`` when ``hi_open``).  NaN is out of every range.  The message names the
+    range; the error handler adds the value (so it is never printed twice)."""
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     allowed = f"{' or '.join(map(str, also))}{note} or in {interval}" if also else f"in {interval}{note}"
 
     def check(value: Any) -> Any:
         if value is None or (also and value in also):
             return value
-        if not ((lo < value) if lo_open else (lo <= value)) or not value <= hi:
+        if not ((lo < value) if lo_open else (lo <= value)) or not ((value < hi) if hi_open else (value <= hi)):
             raise ValueError(f"must be {allowed}")
         return value
 
@@ -213,15 +217,18 @@ class _StrictRequest(BaseModel):
 
 
 class StreamOptions(_StrictRequest):
-    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and empty ``choices``."""
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and empty ``choices``;
+    with it, ``continuous_usage_stats`` (vLLM) puts a ``usage`` object on every chunk too (the choice's
+    prompt tokens and its completion tokens so far)."""
 
     include_usage: bool = False
-    continuous_usage_stats: Annotated[bool, Unsupported(False)] = Field(False, description="vLLM extension")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: usage on every chunk "
+                                                            "(with include_usage)")
 
 
 _Count = Annotated[int | None, _within(1, INT32_MAX)]
 _TokenId = Annotated[int, _within(0, INT32_MAX)]
-_Penalty = Annotated[float | None, _within(-2, 2), Unsupported(None, 0.0)]
+_Penalty = Annotated[float | None, _within(-2, 2)]
 
 
 class SamplingRequestFields(_StrictRequest):
@@ -244,16 +251,19 @@ class SamplingRequestFields(_StrictRequest):
     cache_salt: str | None = Field(None, description="extension (vLLM): prompts with different salts never "
                                                      "share prefix-cache entries (tenant isolation)")
     user: str | None = None
+    presence_penalty: _Penalty = Field(None, description="in [-2, 2]; null = 0")
+    frequency_penalty: _Penalty = Field(None, description="in [-2, 2]; null = 0")
+    repetition_penalty: Annotated[float | None, _within(0, math.inf, lo_open=True, hi_open=True)] = Field(
+        None, description="extension (vLLM): > 0; null = 1 (off)")
+    min_p: Annotated[float | None, _within(0, 1)] = Field(None, description="extension (vLLM); null = 0 (off)")
+    min_tokens: Annotated[int | None, _within(0, INT32_MAX)] = Field(
+        None, description="extension (vLLM): no EOS, stop token id or stop string before this many tokens")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit")
+    include_stop_str_in_output: bool = Field(False, description="extension (vLLM): keep the stop string")
     # would change the result, not implemented: accepted only at their neutral values
-    presence_penalty: _Penalty = None
-    frequency_penalty: _Penalty = None
-    repetition_penalty: Annotated[float | None, _within(0, 2, lo_open=True), Unsupported(None, 1.0)] = None
-    min_p: Annotated[float | None, _within(0, 1), Unsupported(None, 0.0)] = None
-    min_tokens: Annotated[int | None, _within(0, INT32_MAX), Unsupported(None, 0)] = None
-    logit_bias: Annotated[dict[str, float] | None, Unsupported(None, {})] = None
     response_format: Annotated[dict[str, Any] | None, Unsupported(None, {"type": "text"})] = None
     use_beam_search: Annotated[bool, Unsupported(False)] = False
-    include_stop_str_in_output: Annotated[bool, Unsupported(False)] = False
     spaces_between_special_tokens: Annotated[bool, Unsupported(True)] = True
     prompt_logprobs: Annotated[int | None, Unsupported()] = None
     truncate_prompt_tokens: Annotated[int | None, Unsupported()] = None
@@ -279,6 +289,21 @@ class SamplingRequestFields(_StrictRequest):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_SEQUENCE_CHARS} characters, "
                              f"one has {longest}")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, got {len(bias)}")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids in [0, {INT32_MAX}] written as decimal strings, "
+                                 f"got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {value!r} for token {key}")
+        return bias
 
     @field_validator("cache_salt")
     @classmethod
@@ -306,6 +331,16 @@ class SamplingRequestFields(_StrictRequest):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """``usage`` on every streamed chunk (vLLM: ``continuous_usage_stats`` with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with int keys (the engine's form), or None when empty."""
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
 
 
 class CompletionRequest(SamplingRequestFields):

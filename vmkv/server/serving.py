@@ -205,6 +205,13 @@ class OpenAIServing:
                 stop=req.stop_list,
                 stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens or 0,
+                min_p=0.0 if req.min_p is None else float(req.min_p),
+                repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                frequency_penalty=0.0 if req.frequency_penalty is None else float(req.frequency_penalty),
+                presence_penalty=0.0 if req.presence_penalty is None else float(req.presence_penalty),
+                logit_bias=req.logit_bias_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
             )
         except ValueError as exc:
@@ -288,6 +295,8 @@ class OpenAIServing:
         model = self.served_model_name
         done: set[int] = set()
 
+        continuous = req.continuous_usage
+
         def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(CompletionStreamResponse(id=request_id, created=created, model=model,
                                                 choices=choices, usage=usage))
@@ -295,7 +304,8 @@ class OpenAIServing:
             if req.echo:
                 for pi, info in enumerate(infos):
                     for j in range(req.n):
-                        yield chunk([CompletionStreamChoice(index=pi * req.n + j, text=info.prompt_text or "")])
+                        yield chunk([CompletionStreamChoice(index=pi * req.n + j, text=info.prompt_text or "")],
+                                    _running_usage(info.prompt_len, 0) if continuous else None)
             finals: dict[int, RequestOutput] = {}
             async for pi, out in merge_streams(streams):
                 for c in out.outputs:
@@ -309,7 +319,9 @@ class OpenAIServing:
                         if reason is not None:
                             done.add(idx)
                         yield chunk([CompletionStreamChoice(index=idx, text=delta, finish_reason=reason,
-                                                            stop_reason=c.stop_reason, token_ids=ids)])
+                                                            stop_reason=c.stop_reason, token_ids=ids)],
+                                    _running_usage(len(out.prompt_token_ids), len(c.token_ids))
+                                    if continuous else None)
                 if out.finished:
                     finals[pi] = out
             if req.include_usage:
@@ -342,18 +354,19 @@ class OpenAIServing:
                                       choices=choices, usage=_usage([final]))
 
     async def chat_sse(self, req: ChatCompletionRequest, request_id: str, created: int,
-                       stream: RequestStream) -> AsyncIterator[str]:
+                       stream: RequestStream, info: _Prepared | None = None) -> AsyncIterator[str]:
         model = self.served_model_name
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                            usage=usage))
         done: set[int] = set()
+        continuous = req.continuous_usage
         try:
             # the first chunk of every choice carries the role (OpenAI sends it before any content)
             for i in range(req.n):
-                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                                     content=""))])
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                            _running_usage(info.prompt_len if info else 0, 0) if continuous else None)
             final = None
             async for out in stream:
                 for c in out.outputs:
@@ -366,13 +379,21 @@ class OpenAIServing:
                             done.add(c.index)
                         yield chunk([ChatCompletionStreamChoice(
                             index=c.index, delta=DeltaMessage(content=delta), finish_reason=reason,
-                            stop_reason=c.stop_reason)])
+                            stop_reason=c.stop_reason)],
+                            _running_usage(len(out.prompt_token_ids), len(c.token_ids)) if continuous else None)
                 final = out
             if req.include_usage and final is not None:
                 yield chunk([], _usage([final]))
         except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
             yield sse(error_body(engine_error(exc)))
         yield SSE_DONE
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The ``usage`` of one streamed chunk (``continuous_usage_stats``, as vLLM reports it): the choice's
+    prompt tokens and the tokens it has generated so far."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def _usage(finals: list["RequestOutput"]) -> UsageInfo:

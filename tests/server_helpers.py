@@ -93,23 +93,30 @@ def sse_events(raw: str) -> list[str]:
 
 # ---------------------------------------------------------------------- run in the engine core (call)
 def set_step_delay(engine, delay_s: float) -> None:
-    """Every engine step takes ``delay_s`` longer (0: back to normal)."""
-    engine.__dict__.pop("step", None)
+    """Every engine step takes ``delay_s`` longer (0: back to normal).  Patches ``step_deltas``, the
+    method the engine core calls (``EngineCore.run``)."""
+    engine.__dict__.pop("step_deltas", None)
     if delay_s:
-        real_step = engine.step
+        real_step = engine.step_deltas
 
         def slow_step():
+            engine.num_slowed_steps = getattr(engine, "num_slowed_steps", 0) + 1
             time.sleep(delay_s)
             return real_step()
 
-        engine.step = slow_step
+        engine.step_deltas = slow_step
+
+
+def num_slowed_steps(engine) -> int:
+    """Steps :func:`set_step_delay` slowed so far (a test checks its patch fired)."""
+    return getattr(engine, "num_slowed_steps", 0)
 
 
 def fail_steps(engine, message: str, after: int = 0, times: int | None = None) -> None:
     """The engine's steps raise ``RuntimeError(message)``: after ``after`` more good steps, ``times``
-    times (None: for ever)."""
-    engine.__dict__.pop("step", None)
-    real_step = engine.step
+    times (None: for ever).  Patches ``step_deltas``, the method the engine core calls."""
+    engine.__dict__.pop("step_deltas", None)
+    real_step = engine.step_deltas
     state = {"good": after, "bad": times}
 
     def step():
@@ -122,7 +129,7 @@ def fail_steps(engine, message: str, after: int = 0, times: int | None = None) -
             raise RuntimeError(message)
         return real_step()
 
-    engine.step = step
+    engine.step_deltas = step
 
 
 def has_unfinished_requests(engine) -> bool:
@@ -182,11 +189,13 @@ class RunningServer:
     def slowed(self, step_delay_s: float):
         """Make every engine step take ``step_delay_s`` longer (a slower model), so a request is
         reliably still running when the client leaves."""
+        before = self.call(num_slowed_steps)
         self.call(set_step_delay, step_delay_s)
         try:
             yield
         finally:
             self.call(set_step_delay, 0.0)
+        assert self.call(num_slowed_steps) > before, "the step delay never fired (patched a method the core no longer calls?)"
 
     def stop(self) -> None:
         self.http.close()

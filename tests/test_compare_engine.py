@@ -42,8 +42,8 @@ def test_compare_engine_tiny_both_backends(tmp_path):
         assert r["allocation"]["step_time_s"] > r["allocation"]["alloc_time_s"] >= 0
         raw = json.loads((out / r["raw_file"]).read_text())["raw"]
         assert len(raw["requests"]) == 4 and len(raw["steps"]["t_s"]) == r["timing"]["num_steps"]
-        # CPU: no graphs, synchronous scheduling (the fields are there for the GPU runs)
-        assert (r["timing"]["cuda_graph_steps"], r["timing"]["ahead_steps"]) == (0, 0)
+        # CPU: no graphs; async scheduling is on by default, so decode steps were launched ahead
+        assert r["timing"]["cuda_graph_steps"] == 0 and r["timing"]["ahead_steps"] > 0
         # physical KV memory held over time, every step kept: created >= mapped, in use + idle = created
         steps = raw["steps"]
         assert all(len(steps[c]) == len(steps["t_s"]) for c in

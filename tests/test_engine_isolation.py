@@ -144,7 +144,7 @@ def test_kv_allocate_failure_fails_only_that_request(tiny, backend):
 
 
 def test_kv_extend_failure_while_decoding_fails_only_that_request(tiny, backend):
-    engine = make_engine(tiny, backend)
+    engine = make_engine(tiny, backend, async_scheduling=False)   # the token count below is a sync step's
     refs = add_three(engine, tiny, max_tokens=20)
     for _ in range(3):
         engine.step()
@@ -223,7 +223,8 @@ def test_a_failed_prefill_is_not_served_from_the_prefix_cache(tiny, backend):
 
 
 def test_scheduler_bug_fails_unfinished_requests_and_the_engine_recovers(tiny, backend):
-    engine = make_engine(tiny, backend)
+    # synchronous: the injected bug must hit the schedule() of the step after the first, not a step ahead
+    engine = make_engine(tiny, backend, async_scheduling=False)
     add_three(engine, tiny)
     engine.step()
     real, calls = engine.scheduler.schedule, []

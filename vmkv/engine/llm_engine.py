@@ -228,24 +228,34 @@ class LLMEngine:
         Raises:
             only fatal errors (:func:`vmkv.engine.errors.is_fatal_error`).
         """
+        return [g.to_output() for g in self._step()]
+
+    def step_deltas(self) -> list[tuple]:
+        """:meth:`step` in its lightest form (the server's engine core sends this): per request that
+        produced tokens or finished, ``SequenceGroup.to_delta()``, i.e. ``(request_id, [(index,
+        new_token_ids, finish_reason, stop_reason), ...], finished, num_cached_tokens, error)``; no
+        text, no ``RequestOutput`` objects.  Use one of the two per engine."""
+        return [g.to_delta() for g in self._step()]
+
+    def _step(self) -> list[SequenceGroup]:
         t0 = time.perf_counter()
         try:
             sched, result = self.steps.next()      # schedule + run (or the step planned ahead)
-            outputs = self._update(sched, result)
+            touched = self._update(sched, result)
             self.steps.drop_if_done()
-            if sched.is_empty and not outputs and self.scheduler.waiting:
+            if sched.is_empty and not touched and self.scheduler.waiting:
                 time.sleep(IDLE_WAIT_S)     # nothing could run (memory held elsewhere): no spinning
         except Exception as exc:
             if is_fatal_error(exc):
                 raise
             logger.exception("engine step failed outside any request's stage; failing every "
                              "unfinished request")
-            outputs = self.requests.fail_all(exc)
+            touched = self.requests.fail_all(exc)
         self._last_step_time_s = time.perf_counter() - t0
         self._step_time_s_total += self._last_step_time_s
-        return outputs
+        return touched
 
-    def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: StepResult) -> list[SequenceGroup]:
         now = time.perf_counter()
         touched: dict[str, SequenceGroup] = {}
         for group in sched.ignored:
@@ -268,7 +278,7 @@ class LLMEngine:
                 self.requests.fail(group, "output processing (detokenization, stop checks, fork)", exc)
         for group in self.requests.take_unreported():   # aborted between steps or failed in this one
             touched.setdefault(group.request_id, group)
-        return [g.to_output() for g in touched.values()]
+        return list(touched.values())
 
     def _update_seq(self, s, tokens: list[int] | None, now: float) -> bool:
         """Apply one scheduled sequence's result; returns whether it produced tokens."""

@@ -130,9 +130,9 @@ class RequestTable:
         self.finish(group, time.perf_counter())
         self._unreported.append(group)
 
-    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+    def fail_all(self, exc: BaseException) -> list[SequenceGroup]:
         """Last resort for an exception no request can be blamed for: fail every unfinished
-        request, so the scheduler is empty and consistent again, and report them all."""
+        request, so the scheduler is empty and consistent again; returns them all (to report)."""
         for group in list(self.groups.values()):
             try:
                 self.fail(group, "an engine step that failed outside any request's stage", exc)
@@ -143,4 +143,4 @@ class RequestTable:
                 self.groups.pop(group.request_id, None)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
-        return [g.to_output() for g in self.take_unreported()]
+        return self.take_unreported()

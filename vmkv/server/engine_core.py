@@ -6,7 +6,7 @@ spawned child.  The core builds the :class:`~vmkv.engine.llm_engine.LLMEngine`, 
 :class:`~vmkv.server.core_protocol.Ready`, then loops::
 
     handle every queued message (add, abort, finish sequences, utility, shutdown)
-    if requests are unfinished: outputs = engine.step(); send them as one StepOutputs message
+    if requests are unfinished: deltas = engine.step_deltas(); send them as one StepOutputs message
     else: wait for a message (at most IDLE_POLL_S), engine.idle() (vmem gives idle KV memory back)
 
 so the GPU never waits on HTTP parsing, SSE encoding or detokenization: those run in the front, on
@@ -25,6 +25,7 @@ the core stops (a Shutdown message, or SIGKILL after its timeout).
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -122,6 +123,8 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
             status = 2
             return
         out.send(proto.encoder.encode(proto.Ready(pickle.dumps(engine_info(engine)))))
+        gc.collect()
+        gc.freeze()     # the model, the cache and the config stay: keep them out of every collection
         status = EngineCore(engine, inp, out, parent_pid).run()
     finally:
         inp.close(linger=0)
@@ -173,7 +176,7 @@ class EngineCore:
                         self._idle()     # at least every IDLE_POLL_S while nothing runs
                     continue
                 try:
-                    outputs = engine.step()
+                    deltas = engine.step_deltas()
                 except Exception as exc:
                     num_failed_steps += 1
                     if is_fatal_error(exc) or num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -182,8 +185,8 @@ class EngineCore:
                     self._fail_open_requests(exc)
                     continue
                 num_failed_steps = 0
-                if outputs:
-                    self._send(proto.StepOutputs([_delta(o) for o in outputs]))
+                if deltas:
+                    self._send(proto.StepOutputs([_wire(d) for d in deltas]))
         except BaseException as exc:  # noqa: BLE001 - reported to the front before exiting
             logger.exception("engine core failed; exiting")
             try:
@@ -268,10 +271,8 @@ class EngineCore:
             self._send(proto.StepOutputs(deltas))
 
 
-def _delta(out: Any) -> proto.RequestDelta:
-    """The wire form of one engine ``RequestOutput`` (its deltas only)."""
-    return proto.RequestDelta(
-        out.request_id,
-        [proto.CompletionDelta(c.index, c.delta_token_ids, c.finish_reason, c.stop_reason) for c in out.outputs
-         if c.delta_token_ids or c.finish_reason is not None],
-        bool(out.finished), int(out.num_cached_tokens or 0), out.error)
+def _wire(delta: tuple) -> proto.RequestDelta:
+    """The wire form of one ``SequenceGroup.to_delta()``."""
+    request_id, comps, finished, num_cached_tokens, error = delta
+    return proto.RequestDelta(request_id, [proto.CompletionDelta(*c) for c in comps], finished,
+                              num_cached_tokens, error)

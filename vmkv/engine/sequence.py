@@ -75,6 +75,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
         self._reported = DeltaTracker()     # deltas start where the request's previous output ended
+        self._finish_reported = False       # take_delta reported finish_reason
         params = group.params
         #: detokenization and stop strings (``None``: no tokenizer, or ``params.detokenize`` is off and
         #: whoever reads the token ids does both, as the server's front process does)
@@ -158,6 +159,16 @@ class Sequence:
         if self.output_text_state is None:
             return ""
         return self.output_text_state.emitted(self.finish_reason is not None)
+
+    def take_delta(self) -> tuple[int, list[int], str | None, str | int | None] | None:
+        """``(index, new_token_ids, finish_reason, stop_reason)`` since the previous call, or ``None``
+        when nothing is new (no token, finish already reported): :meth:`SequenceGroup.to_delta`."""
+        ids = self.output_token_ids[self._reported.num_tokens:]
+        if not ids and (self.finish_reason is None or self._finish_reported):
+            return None
+        self._reported.num_tokens = len(self.output_token_ids)
+        self._finish_reported = self.finish_reason is not None
+        return self.index, ids, self.finish_reason, self.stop_reason
 
     def completion_output(self) -> CompletionOutput:
         """This completion's output now, with what is new since the previous call as the delta.
@@ -270,6 +281,13 @@ class SequenceGroup:
         return self.params.output_kind != RequestOutputKind.FINAL_ONLY
 
     # ------------------------------------------------------------------ output
+    def to_delta(self) -> tuple:
+        """What is new since the previous call, token ids only: ``(request_id, [(index, new_token_ids,
+        finish_reason, stop_reason), ...], finished, num_cached_tokens, error)`` (the server's engine
+        core sends it; its front turns it into a :class:`RequestOutput`).  Costs O(new tokens)."""
+        comps = [d for d in (s.take_delta() for s in self.seqs) if d is not None]
+        return self.request_id, comps, self.is_finished, self.num_cached_tokens, self.error
+
     def to_output(self) -> RequestOutput:
         """The request's output now: ``n`` completions by index (not yet forked ones empty), each
         with its delta since the previous call (call it once per reported output)."""

@@ -90,7 +90,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        for c in self.completions:
+            if c.finish_reason is None:
+                return False
+        return True
 
     def update(self, delta: Any, now: float | None = None) -> tuple[RequestOutput | None, list[tuple[int, str]]]:
         """Apply one :class:`~vmkv.server.core_protocol.RequestDelta`.

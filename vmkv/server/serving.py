@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+import msgspec
+
 from vmkv.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -70,6 +72,42 @@ def sse(payload: Any) -> str:
     import json
 
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+_JSON = msgspec.json.Encoder()
+
+
+class StreamChunks:
+    """The per-token SSE events of one streamed response, encoded with msgspec from a prefix built once:
+    byte for byte what ``sse(CompletionStreamResponse(...))`` / ``sse(ChatCompletionChunk(...))`` give
+    (``tests/test_server_stream_chunks.py`` checks it), about 6x cheaper than building the pydantic
+    models for every chunk (the front's work per token at 256 streams).
+
+    Args:
+        request_id, created, model: the response's ``id``, ``created`` and ``model``.
+        chat: ``chat.completion.chunk`` choices (``delta``) instead of ``text_completion`` ones.
+    """
+
+    __slots__ = ("_prefix", "_chat")
+
+    def __init__(self, request_id: str, created: int, model: str, *, chat: bool) -> None:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._prefix = (f'data: {{"id":{_JSON.encode(request_id).decode()},"object":"{obj}",'
+                        f'"created":{int(created)},"model":{_JSON.encode(model).decode()},"choices":[')
+        self._chat = chat
+
+    def event(self, index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
+              token_ids: list[int] | None = None, usage: UsageInfo | None = None) -> str:
+        """One event with one choice: its new ``text`` (a chat choice's ``delta.content``)."""
+        if self._chat:
+            choice = {"index": index, "delta": {"role": None, "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+        else:            # token_ids first, as the pydantic model (it inherits the field) writes it
+            choice = {} if token_ids is None else {"token_ids": token_ids}
+            choice.update(index=index, text=text, logprobs=None, finish_reason=finish_reason,
+                          stop_reason=stop_reason)
+        tail = "null" if usage is None else usage.model_dump_json()
+        return f'{self._prefix}{_JSON.encode(choice).decode()}],"usage":{tail}}}\n\n'
 
 
 def engine_error(exc: BaseException) -> OpenAIError:
@@ -296,6 +334,7 @@ class OpenAIServing:
         done: set[int] = set()
 
         continuous = req.continuous_usage
+        fast = StreamChunks(request_id, created, model, chat=False)
 
         def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(CompletionStreamResponse(id=request_id, created=created, model=model,
@@ -318,10 +357,9 @@ class OpenAIServing:
                     if delta or ids or reason is not None:
                         if reason is not None:
                             done.add(idx)
-                        yield chunk([CompletionStreamChoice(index=idx, text=delta, finish_reason=reason,
-                                                            stop_reason=c.stop_reason, token_ids=ids)],
-                                    _running_usage(len(out.prompt_token_ids), len(c.token_ids))
-                                    if continuous else None)
+                        yield fast.event(idx, delta, reason, c.stop_reason, ids,
+                                         _running_usage(len(out.prompt_token_ids), len(c.token_ids))
+                                         if continuous else None)
                 if out.finished:
                     finals[pi] = out
             if req.include_usage:
@@ -362,6 +400,7 @@ class OpenAIServing:
                                            usage=usage))
         done: set[int] = set()
         continuous = req.continuous_usage
+        fast = StreamChunks(request_id, created, model, chat=True)
         try:
             # the first chunk of every choice carries the role (OpenAI sends it before any content)
             for i in range(req.n):
@@ -377,10 +416,9 @@ class OpenAIServing:
                     if delta or reason is not None:
                         if reason is not None:
                             done.add(c.index)
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=delta), finish_reason=reason,
-                            stop_reason=c.stop_reason)],
-                            _running_usage(len(out.prompt_token_ids), len(c.token_ids)) if continuous else None)
+                        yield fast.event(c.index, delta, reason, c.stop_reason, None,
+                                         _running_usage(len(out.prompt_token_ids), len(c.token_ids))
+                                         if continuous else None)
                 final = out
             if req.include_usage and final is not None:
                 yield chunk([], _usage([final]))

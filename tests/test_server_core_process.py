@@ -155,21 +155,34 @@ def test_64_streams_with_random_disconnects_free_all_kv(model_dir):
         srv.stop()
 
 
-def _inprocess_engine(model_dir: Path, backend: str):
+def _device_knobs(device: str, backend: str) -> dict:
+    """Engine knobs of the parity test on ``device`` (CUDA: the CUDA driver's 2 MiB pages)."""
+    if device == "cpu":
+        return {}
+    knobs = {"device": device, "memory_bytes": 64 << 20}
+    if backend == "vmem":
+        knobs.update(driver="cuda", page_size_bytes=2 << 20)
+    return knobs
+
+
+def _inprocess_engine(model_dir: Path, backend: str, knobs: dict):
     from vmkv.engine.llm_engine import LLMEngine
 
-    kwargs = engine_knobs_for(model_dir, backend)
+    kwargs = engine_knobs_for(model_dir, backend, knobs)
     return LLMEngine.from_args(kwargs.pop("model"), kwargs.pop("kv_backend"), kwargs.pop("device"),
                                kwargs.pop("dtype"), **kwargs)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("backend", ["paged", "vmem"])
-def test_served_tokens_equal_the_in_process_engine(model_dir, backend):
+def test_served_tokens_equal_the_in_process_engine(model_dir, backend, device):
     """Greedy, seeded sampling with n=3, and stop strings (found in the front, across steps): the served
-    completions are the in-process engine's, token for token and character for character."""
+    completions are the in-process engine's, token for token and character for character (on CUDA
+    too: CUDA graphs and async scheduling in both)."""
     from vmkv.engine.sampling_params import SamplingParams
 
-    engine = _inprocess_engine(model_dir, backend)
+    knobs = _device_knobs(device, backend)
+    engine = _inprocess_engine(model_dir, backend, knobs)
     prompt = "the capital of France is"
 
     def offline(params: SamplingParams) -> list:
@@ -190,7 +203,7 @@ def test_served_tokens_equal_the_in_process_engine(model_dir, backend):
     engine.close()
     assert ref_stop[0].finish_reason == "stop" and ref_stop[0].stop_reason == stop
 
-    srv = RunningServer(model_dir, backend)
+    srv = RunningServer(model_dir, backend, engine_knobs=knobs)
     try:
         def served(body: dict) -> list[dict]:
             r = srv.http.post(COMPLETIONS_URL, json={"model": SERVED, "prompt": prompt, "ignore_eos": True,

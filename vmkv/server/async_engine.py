@@ -384,7 +384,7 @@ class AsyncEngine:
         if self._to_core is None:
             return
         try:
-            self._to_core.send(proto.encoder.encode(msg), zmq.NOBLOCK, copy=False)
+            self._to_core.send(proto.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.warning("could not send %s to the engine core: %s", type(msg).__name__, exc)
 

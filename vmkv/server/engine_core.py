@@ -153,7 +153,7 @@ class EngineCore:
         self._poller.register(inp, zmq.POLLIN)
 
     def _send(self, msg: Any) -> None:
-        self.out.send(proto.encoder.encode(msg), copy=False)
+        self.out.send(proto.encoder.encode(msg))     # copied: zero-copy costs more below ~64 KiB
 
     def run(self) -> int:
         """Serve until :class:`~vmkv.server.core_protocol.Shutdown` (returns 0), a fatal error (1) or the

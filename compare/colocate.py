@@ -235,12 +235,12 @@ def run(args) -> int:
         console.print(f"[red]error:[/red] unknown shape {args.random_weights!r}; one of {sorted(SHAPES)}")
         return 2
     args.vocab_size = SHAPES[args.random_weights].vocab_size
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     mem0 = gpu_memory()
-    if not mem0:
+    if not mem0:     # checked before --out is made: a run that cannot start leaves no empty folder
         console.print("[red]error:[/red] nvidia-smi is not available: this experiment needs one GPU")
         return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     servers: list[dict] = []
     try:
         weights_mib = None if args.weights_gib is None else args.weights_gib * 1024

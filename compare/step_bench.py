@@ -35,7 +35,11 @@ from vmkv.engine.args import add_backend_option_args, add_graph_args, parse_size
 from vmkv.engine.config import ENGINE_DTYPES
 from vmkv.kvcache.registry import option_backends
 
-__all__ = ["add_arguments", "run", "parse_grid", "plan", "render_markdown", "COLUMNS"]
+__all__ = ["add_arguments", "run", "parse_grid", "plan", "render_markdown", "COLUMNS", "DEFAULT_CONTEXT_LENS",
+           "default_context_lens"]
+
+#: ``--context-lens`` when none is given (longer than a small model's context: then shortened, see plan)
+DEFAULT_CONTEXT_LENS = (1024, 2048)
 
 COLUMNS = ["backend", "B", "L", "step ms (p10-p90)", "floor ms", "floor/step", "GPU-busy %", "tok/s",
            "vmem/paged tok/s"]
@@ -50,8 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=ENGINE_DTYPES,
                    help="model and KV dtype (default: auto, bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--batch-sizes", default="1,64,256", help="comma-separated B (default: %(default)s)")
-    g.add_argument("--context-lens", default="1024,2048",
-                   help="comma-separated L, prompt tokens (default: %(default)s)")
+    g.add_argument("--context-lens", default=None,
+                   help="comma-separated L, prompt tokens (default: "
+                        f"{','.join(map(str, DEFAULT_CONTEXT_LENS))}, each shortened to what the model's "
+                        "context holds with the decode steps)")
     g.add_argument("--steps", type=int, default=20, help="timed decode steps per point (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=3, help="decode steps before timing (default: %(default)s)")
     g.add_argument("--profile-steps", type=int, default=5,
@@ -110,7 +116,7 @@ def plan(args) -> dict:
         raise ValueError(f"--model {args.model!r} is not a random-weight shape; choose one of {sorted(SHAPES)}")
     shape = get_shape(args.model)
     batches = parse_grid(args.batch_sizes, "--batch-sizes")
-    contexts = parse_grid(args.context_lens, "--context-lens")
+    contexts = None if args.context_lens is None else parse_grid(args.context_lens, "--context-lens")
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup-steps", args.warmup_steps, 0),
                              ("--profile-steps", args.profile_steps, 0), ("--seed", args.seed, 0)):
         if value < low:
@@ -120,6 +126,8 @@ def plan(args) -> dict:
         raise ValueError(f"--max-num-batched-tokens {budget} must exceed the largest batch size {max(batches)} "
                          "(a step holds every decode token and some prefill); raise it")
     num_decode = args.warmup_steps + args.steps + args.profile_steps
+    if contexts is None:
+        contexts = default_context_lens(shape.max_model_len, batches, budget, num_decode)
     need = {(b, c): c + max_tokens_for(b, c, budget, num_decode) for b in batches for c in contexts}
     max_model_len = int(math.ceil(max(need.values()) / 16) * 16)
     if max_model_len > shape.max_model_len:
@@ -142,6 +150,20 @@ def plan(args) -> dict:
     return {"backends": backends, "batch_sizes": batches, "context_lens": contexts,
             "points": [[b, c] for c in contexts for b in batches], "max_model_len": max_model_len,
             "memory_bytes": memory_bytes, "knobs": knobs}
+
+
+def default_context_lens(model_len: int, batches: list[int], budget: int, num_decode: int) -> list[int]:
+    """:data:`DEFAULT_CONTEXT_LENS`, each one that would not fit a model of ``model_len`` positions with the
+    decode steps of its largest batch (``max_tokens_for``) lowered to the longest that does (a multiple of 16,
+    within the ``max_model_len`` rounded up to 16 that :func:`plan` derives), duplicates dropped."""
+    out: list[int] = []
+    for c in DEFAULT_CONTEXT_LENS:
+        while c > 16 and int(math.ceil(max(c + max_tokens_for(b, c, budget, num_decode)
+                                           for b in batches) / 16) * 16) > model_len:
+            c -= 16
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def _kv_dtype(args) -> str:

@@ -40,11 +40,17 @@ def test_serve_command_passes_the_caps_and_the_elastic_options_only_to_vmem():
     assert paged[paged.index("--backend") + 1] == "paged"
 
 
-def test_without_a_gpu_it_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(colocate, "gpu_memory", lambda: {})
+def test_without_a_gpu_it_says_so_and_leaves_no_empty_out_folder(tmp_path, monkeypatch, capsys):
+    """It used to make ``--out`` first, then fail, leaving an empty folder (issue 25, item 6)."""
+    calls = []
+    monkeypatch.setattr(colocate, "gpu_memory", lambda: calls.append(1) or {})
     p = argparse.ArgumentParser()
     colocate.add_arguments(p)
-    assert colocate.run(p.parse_args(["--out", str(tmp_path)])) == 2
+    out = tmp_path / "X"
+    assert colocate.run(p.parse_args(["--out", str(out)])) == 2
+    assert calls, "the patched gpu_memory was not called"
+    assert not out.exists()
+    assert "needs one GPU" in capsys.readouterr().out
 
 
 def test_the_serve_command_parses(monkeypatch):

@@ -231,3 +231,37 @@ def test_kv_time_per_step_divides_by_the_steps_that_spent_it():
     assert p["alloc_ms_per_step"] == pytest.approx(1.0)
     assert p["prefetch_ms_per_step"] == pytest.approx(2.0)
     assert p["release_ms_per_step"] == pytest.approx(3.0)
+
+
+def test_the_default_context_lens_fit_the_model():
+    """``vmkv compare step --model tiny`` was refused by its own default --context-lens 1024,2048: 2048 plus
+    the decode steps exceeds tiny's context of 2048 (issue 25, item 6)."""
+    cfg = step_bench.plan(_args())
+    assert cfg["context_lens"][0] == 1024 and 1024 < cfg["context_lens"][1] < 2048
+    assert cfg["max_model_len"] <= 2048
+    longest = cfg["context_lens"][1]
+
+    def positions(c: int) -> int:       # prompt + decode steps of the largest batch, rounded up to 16
+        return -(-max(c + max_tokens_for(b, c, 16384, 3 + 20 + 5) for b in (1, 64, 256)) // 16) * 16
+
+    assert positions(longest) <= 2048 < positions(longest + 16)        # the longest that fits
+    # a model with room keeps the defaults as they are
+    big = step_bench.plan(_args("--model", "smollm2-135m"))
+    assert big["context_lens"] == list(step_bench.DEFAULT_CONTEXT_LENS)
+    # an explicit value is never changed, only refused with the fix
+    with pytest.raises(ValueError, match="--context-lens 2048 needs"):
+        step_bench.plan(_args("--context-lens", "2048"))
+
+
+def test_cli_runs_with_the_default_context_lens(tmp_path, monkeypatch):
+    """The command line itself gets past validation to its first worker (stopped there)."""
+    class Started(Exception):
+        pass
+
+    def worker(cfg, *a, **k):
+        raise Started(cfg)
+
+    monkeypatch.setattr(step_bench, "_run_worker", worker)
+    with pytest.raises(Started) as e:
+        main(["compare", "step", *TINY, "--out", str(tmp_path), "--backends", "paged"])
+    assert e.value.args[0]["backend"] == "paged"

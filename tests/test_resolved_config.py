@@ -46,6 +46,17 @@ def test_default_max_model_len_is_lowered_to_the_kv_budget():
     assert r.kv_memory_bytes == 300 * BPT + 100
 
 
+def test_the_lowering_is_logged_naming_the_flag_that_chooses_the_length(caplog):
+    """``vmkv serve --kv-memory 8MiB`` logged "(give memory_bytes or max_model_len to choose)" although the
+    user had given the memory, and named no flag (issue 25, item 6)."""
+    with caplog.at_level("WARNING", logger="vmkv.engine.resolved_config"):
+        resolve(memory_bytes=300 * BPT + 100)
+        resolve(memory_bytes=1 << 30).fit_to_capacity(200)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("lowering max_model_len" in m and "--max-model-len" in m for m in lines), lines
+    assert "give memory_bytes or max_model_len" not in " ".join(lines)
+
+
 @pytest.mark.parametrize("value, words", [(1025, "exceeds the model's context of 1024 tokens"),
                                           (1, "leaves no room for an output token")])
 def test_max_model_len_outside_the_model_context_raises_naming_field_value_and_range(value, words):

@@ -4,7 +4,7 @@ One request must never be able to hurt the others: every sampling parameter is r
 fields that would change the result but are not implemented are refused, lone surrogates and null
 content are 400s, ``cache_salt`` isolates tenants in the prefix cache, oversized bodies are refused from
 their header, slow clients are disconnected, a shutdown answers what it cuts short, and ``/health``
-answers HEAD and says why the engine cannot serve.
+answers HEAD (as ``/v1/models`` does) and says why the engine cannot serve.
 """
 
 from __future__ import annotations
@@ -306,6 +306,30 @@ def test_head_health_answers_like_get(server):
     r = server.http.head("/health")
     assert r.status_code == 200 and r.content == b""
     assert server.http.get("/health").json() == {"status": "ok"}
+
+
+def test_head_models_answers_like_get(server):
+    """HEAD /v1/models was 405 while HEAD /health was 200 (issue 25, item 6)."""
+    r = server.http.head("/v1/models")
+    assert r.status_code == 200 and r.content == b"" and r.headers["content-type"] == "application/json"
+    assert server.http.get("/v1/models").json()["data"][0]["id"] == SERVED
+
+
+def test_openapi_schema_has_unique_operation_ids():
+    """/openapi.json made FastAPI warn "Duplicate Operation ID" (one id for the GET and HEAD of /health)."""
+    import warnings
+
+    from vmkv.server.app import build_app
+    from vmkv.server.async_engine import AsyncEngine
+
+    app = build_app(AsyncEngine({}), SERVED)          # never started: the schema needs no engine
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schema = app.openapi()
+    assert not [w for w in caught if "Duplicate Operation ID" in str(w.message)], [str(w.message) for w in caught]
+    ops = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ops) == len(set(ops)) and {"health", "health_head", "list_models", "list_models_head"} <= set(ops)
+    assert set(schema["paths"]["/v1/models"]) == {"get", "head"} and set(schema["paths"]["/health"]) == {"get", "head"}
 
 
 # ---------------------------------------------------------------------------- raw connections

@@ -281,8 +281,33 @@ def test_generate_cli_with_tensor_parallel_size_2(capsys):
               "1MiB", "--max-tokens", "6", "--ignore-eos", "--seed", "2", "--no-stream", "--prompt-token-ids", "1,2,3"]
     assert main(common) == 0
     want = capsys.readouterr().out
+    assert "tensor parallel" not in capsys.readouterr().err
     assert main([*common, "--tensor-parallel-size", "2"]) == 0
-    assert capsys.readouterr().out == want and len(want.split(",")) == 6
+    captured = capsys.readouterr()
+    assert captured.out == want and len(want.split(",")) == 6
+    # it says so (it used to print the same line as TP=1; issue 25, item 6)
+    assert "tensor parallel over 2 ranks (gloo; cpu, cpu)" in " ".join(captured.err.split())
+
+
+def test_a_script_read_from_stdin_is_refused_saying_the_ranks_cannot_reimport_it(tmp_path):
+    """``python - < script.py`` used to fail with "rank 1 exited while loading its shard": each spawned
+    rank re-runs ``__main__`` from ``__file__``, which is ``"<stdin>"``."""
+    import subprocess
+    import sys
+
+    script = ("from vmkv.engine.llm_engine import LLMEngine\n"
+              "if __name__ == '__main__':\n"
+              "    LLMEngine.from_args(None, 'paged', 'cpu', 'float32', random_weights='tiny',\n"
+              "                        tensor_parallel_size=2, memory_bytes=1 << 20)\n")
+    r = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode != 0
+    assert "ValueError: tensor_parallel_size=2" in r.stderr and "standard input" in r.stderr, r.stderr[-2000:]
+    assert "cannot re-import" in r.stderr and "exited while loading" not in r.stderr
+    # the same script from a file runs
+    (tmp_path / "script.py").write_text(script)
+    r = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_a_failing_worker_stops_the_engine_with_its_traceback():

@@ -159,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     t_load = time.perf_counter() - t_load
     usage = engine.kv_cache.usage()
+    tp = getattr(engine.model, "description", None)     # a TensorParallelExecutor: the ranks it runs on
     err.print(f"[bold]{engine.model_name}[/bold] on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+              f"{f'tensor parallel over {tp}, ' if tp else ''}"
               f"loaded in {t_load:.1f} s; KV: [cyan]{config.cache.backend}[/cyan], "
               f"{usage.capacity_bytes / 2**20:.0f} MiB, max_model_len {engine.max_model_len}")
     try:

@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: the shortest usable context: one prompt token and one output token
 MIN_MODEL_LEN = 2
+#: how to choose instead, in the log line of a lowered default ``max_model_len``: the engine's field names
+#: and the ``vmkv serve`` / ``generate`` flags (a user who gave ``--kv-memory`` chose the memory, not this)
+_CHOOSE_LEN = ("set max_model_len, --max-model-len, to choose the length; a longer one needs more KV memory: "
+               "memory_bytes, --kv-memory, or --gpu-memory-utilization")
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,7 @@ class ResolvedConfig:
             return self
         if self.max_model_len_is_default and free_tokens >= MIN_MODEL_LEN:
             logger.warning("the KV cache holds %d tokens after unit rounding; lowering max_model_len from %d "
-                           "to %d (give memory_bytes or max_model_len to choose)", free_tokens,
-                           self.max_model_len, free_tokens)
+                           "to %d to fit (%s)", free_tokens, self.max_model_len, free_tokens, _CHOOSE_LEN)
             return dataclasses.replace(self, max_model_len=free_tokens)
         cap = self.kv_memory_bytes if capacity_bytes is None else capacity_bytes
         raise ValueError(
@@ -157,9 +160,8 @@ def resolve_config(config: EngineConfig, model_config, kv_spec: KVCacheSpec, *, 
                 f"cannot hold one sequence of max_model_len={max_model_len} tokens "
                 f"({kv_spec.kv_bytes(max_model_len)} bytes; at least {MIN_MODEL_LEN} tokens are needed); "
                 f"{low}raise memory_bytes / gpu_memory_utilization")
-        logger.warning("KV budget of %d bytes holds %d tokens; lowering max_model_len from %d to %d "
-                       "(give memory_bytes or max_model_len to choose)", memory_bytes, fits,
-                       max_model_len, fits)
+        logger.warning("KV budget of %d bytes holds %d tokens; lowering max_model_len from %d to %d to fit (%s)",
+                       memory_bytes, fits, max_model_len, fits, _CHOOSE_LEN)
         max_model_len = fits
     prefetch = cc.prefetch_tokens
     if prefetch is None:

@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import multiprocessing.process
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -59,6 +61,31 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 class TensorParallelError(FatalEngineError):
     """A tensor-parallel worker failed or died, or the ranks' caches diverged: the engine stops."""
+
+
+def check_main_reimportable(what: str) -> None:
+    """Raise ``ValueError`` when a spawned process could not re-import this process's main module.
+
+    ``multiprocessing``'s spawn start method makes every new process run the parent's ``__main__`` again
+    from its file (``__main__.__file__``), unless it was run as a module (``python -m``).  A script read
+    from standard input (``python - < script.py``) has ``__file__ == "<stdin>"``: each rank would die at
+    start-up on a missing file, long before it says why.  ``what`` names the caller in the message.
+    """
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return                                  # python -m pkg.mod: re-imported by name
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return                                  # python -c or the REPL: spawn does not re-import it
+    if not os.path.isabs(path):
+        path = os.path.join(multiprocessing.process.ORIGINAL_DIR or os.getcwd(), path)
+    if not os.path.isfile(path):
+        source = ("standard input (`python - < script.py`)" if main.__file__ == "<stdin>"
+                  else f"{main.__file__!r}, which is no file")
+        raise ValueError(f"{what} starts one process per rank, and each rank re-imports the main module: "
+                         f"the ranks cannot re-import a main module read from {source}; "
+                         "save the script to a file and run `python script.py` (with the "
+                         "`if __name__ == \"__main__\":` guard), or use `vmkv generate` / `vmkv serve`")
 
 
 def load_shard(config, device: torch.device, dtype: torch.dtype, tp: TensorParallel, progress=None):
@@ -150,10 +177,15 @@ class TensorParallelExecutor:
     Attributes:
         model: rank 0's :class:`~vmkv.model.LlamaForCausalLM` shard.
         size: ranks.
+        backend: the ``torch.distributed`` backend (``gloo`` on CPU, ``nccl`` on CUDA).
+        devices: each rank's device.
     """
 
-    def __init__(self, size: int, workers: list[_Worker], store_dir: str) -> None:
+    def __init__(self, size: int, workers: list[_Worker], store_dir: str, backend: str = "gloo",
+                 devices: list[torch.device] | None = None) -> None:
         self.size = size
+        self.backend = backend
+        self.devices = list(devices or ())
         self.model = None
         self.workers = workers
         self._failed = [False]          # shared with the finalizer: a failed group is not asked to close
@@ -172,6 +204,7 @@ class TensorParallelExecutor:
         if dist.is_initialized():
             raise ValueError("a torch.distributed process group already exists in this process; one "
                              "tensor-parallel engine per process (close the other engine first)")
+        check_main_reimportable(f"tensor_parallel_size={size}")
         devices = rank_devices(device, size)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -180,7 +213,7 @@ class TensorParallelExecutor:
         init_method = "file://" + os.path.join(store_dir, "store")
         ctx = torch.multiprocessing.get_context("spawn")
         workers: list[_Worker] = []
-        executor = cls(size, workers, store_dir)
+        executor = cls(size, workers, store_dir, backend, devices)
         logger.info("tensor parallel: %d ranks (%s, %s); every step runs eagerly (no CUDA graphs)", size,
                     backend, ", ".join(map(str, devices)))
         try:
@@ -208,6 +241,11 @@ class TensorParallelExecutor:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def description(self) -> str:
+        """``"2 ranks (gloo; cpu, cpu)"``: what ``vmkv generate`` reports."""
+        return f"{self.size} ranks ({self.backend}; {', '.join(map(str, self.devices))})"
 
     @property
     def dtype(self) -> torch.dtype:

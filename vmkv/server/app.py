@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: ``build_app(async_engine, served_model_name)``.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE or
+Routes: ``GET``/``HEAD /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE or
 not), ``GET``/``HEAD /health`` (503 saying why when the engine cannot serve), ``GET /metrics``
 (Prometheus text format, own registry per app).  Errors are OpenAI error bodies (see
 :mod:`vmkv.server.errors`); a client that disconnects, streamed or not, aborts its engine request so its
@@ -250,7 +250,6 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         finally:
             _abort_unfinished(streams)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 ``{"status": "ok"}`` while the engine serves; 503 with the reason when it cannot (the engine
         core failed, e.g. a CUDA error poisoned the device, or its process died; or it is shutting down).
@@ -265,11 +264,19 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                                               code="engine_unavailable"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served, root=async_engine.model_name,
                                          max_model_len=async_engine.max_model_len,
                                          vocab_size=async_engine.vocab_size)])
+
+    # GET and HEAD (bodiless, same status) as two routes, each with its own OpenAPI operation id: one
+    # api_route with both methods gives both operations one id, and FastAPI warns "Duplicate Operation
+    # ID" when /openapi.json is built
+    app.add_api_route("/health", health, methods=["GET"], operation_id="health")
+    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head")
+    app.add_api_route("/v1/models", models, methods=["GET"], response_model=ModelList, operation_id="list_models")
+    app.add_api_route("/v1/models", models, methods=["HEAD"], response_model=ModelList,
+                      operation_id="list_models_head")
 
     @app.get("/metrics")
     async def prometheus() -> Response:

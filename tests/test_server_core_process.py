@@ -253,3 +253,32 @@ def test_a_bad_engine_option_fails_the_server_before_it_listens(model_dir):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "cannot start the engine" in done.stderr and "max_model_len" in done.stderr
     assert "listening" not in done.stdout
+
+
+def test_a_normal_shutdown_reaps_the_core_once(model_dir, caplog):
+    """The receiver thread and the shutdown both wait for the core process; a race between two reapers
+    made ``multiprocessing`` report the exited core as alive, and the shutdown "killed" it after its
+    timeout (a spurious warning on every stop, seen on the H200)."""
+    import logging
+
+    from vmkv.server.async_engine import AsyncEngine
+
+    async def run_once() -> None:
+        ae = AsyncEngine(engine_knobs_for(model_dir, "paged"), log_level="warning", torch_threads=1)
+        ae.start()
+        out = await (await ae.add_request("r", None, _greedy(4), [5, 6, 7])).result()
+        assert len(out.outputs[0].token_ids) == 4
+        t0 = time.monotonic()
+        await ae.shutdown()
+        assert time.monotonic() - t0 < 8, "the core took its kill timeout to stop"
+
+    with caplog.at_level(logging.WARNING, logger="vmkv.server.async_engine"):
+        for _ in range(3):
+            asyncio.run(run_once())
+    assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
+
+
+def _greedy(max_tokens: int):
+    from vmkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

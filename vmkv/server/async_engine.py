@@ -208,6 +208,7 @@ class AsyncEngine:
         self._stopping = False
         self._stopped = False
         self._shutdown_task: asyncio.Future | None = None
+        self._reap_lock = threading.Lock()
         self._dead: BaseException | None = None
         self.model_name = "model"
         self.max_model_len = 0
@@ -283,8 +284,8 @@ class AsyncEngine:
                 if isinstance(msg, proto.StartupFailed):
                     raise EngineStartupError(msg.message, msg.kind)
                 continue
-            if self._proc.sentinel in events or not self._proc.is_alive():
-                self._proc.join(1)
+            if self._proc.sentinel in events or not self._core_alive():
+                self._join_core(1)
                 raise EngineStartupError(f"the engine core process exited while starting "
                                          f"({_exit_text(self._proc.exitcode)})")
 
@@ -327,10 +328,20 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._stop_core, timeout_s)
         self._stopped = True
 
+    def _join_core(self, timeout_s: float) -> None:
+        """``Process.join`` under a lock: the receiver thread and the shutdown both wait for the core,
+        and two threads reaping one child race (the loser's ``waitpid`` fails, and ``multiprocessing``
+        then reports a dead process as alive)."""
+        with self._reap_lock:
+            self._proc.join(timeout_s)
+
+    def _core_alive(self) -> bool:
+        with self._reap_lock:
+            return self._proc.is_alive()
+
     def _stop_core(self, timeout_s: float) -> None:
-        proc = self._proc
-        proc.join(timeout_s)
-        if proc.is_alive():
+        self._join_core(timeout_s)
+        if self._core_alive():
             logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)
             self._kill_core()
         if self._wake_w >= 0:
@@ -341,11 +352,10 @@ class AsyncEngine:
 
     def _kill_core(self, timeout_s: float = 5.0) -> None:
         """SIGKILL the core (it ignores SIGTERM and SIGINT: this process decides when it stops)."""
-        proc = self._proc
-        if proc is None or not proc.is_alive():
+        if self._proc is None or not self._core_alive():
             return
-        proc.kill()
-        proc.join(timeout_s)
+        self._proc.kill()
+        self._join_core(timeout_s)
 
     def _close_sockets(self) -> None:
         for sock in (self._to_core, self._from_core):
@@ -507,7 +517,7 @@ class AsyncEngine:
                         return
                 continue
             if self._proc.sentinel in events:
-                self._proc.join(1)
+                self._join_core(1)
                 _post(loop, self._on_core_exit, self._proc.exitcode)
                 return
 

@@ -282,3 +282,28 @@ def _greedy(max_tokens: int):
     from vmkv.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_the_front_process_never_imports_torch(model_dir):
+    """The HTTP front tokenizes, detokenizes and streams; torch (and its threads and memory) stays in the
+    engine core: the handshake carries nothing that needs torch to unpickle."""
+    import sys
+
+    program = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "if __name__ == '__main__':\n"
+        "    from pathlib import Path\n"
+        "    from server_helpers import engine_knobs_for\n"
+        "    from vmkv.server.async_engine import AsyncEngine\n"
+        "    import vmkv.server.app, vmkv.server.cli\n"
+        f"    ae = AsyncEngine(engine_knobs_for(Path({str(model_dir)!r}), 'paged'), log_level='warning')\n"
+        "    ae.start_core()\n"
+        "    assert ae.processor.encode('the capital of France')\n"
+        "    ae.close_sync()\n"
+        "    print('torch' in sys.modules)\n")
+    path = model_dir.parent / "front_torch_check.py"
+    path.write_text(program)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"

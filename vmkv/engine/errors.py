@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["InvalidRequestError", "RequestFailedError", "FatalEngineError", "is_fatal_error", "check_device", "POISONING_MARKERS"]
+__all__ = ["InvalidRequestError", "PromptTooLongError", "RequestFailedError", "FatalEngineError", "is_fatal_error",
+           "check_device", "POISONING_MARKERS"]
 
 #: substrings (matched case-insensitively) of the messages of CUDA errors that poison the context:
 #: the CUDA runtime's texts as torch prints them ("CUDA error: an illegal memory access was
@@ -102,3 +103,21 @@ def check_device(device) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and getattr(device, "type", None) == "cuda":
         torch.cuda.synchronize(device)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for an output token within ``max_model_len``.
+
+    Attributes:
+        prompt_len: tokens in the prompt (a lower bound when ``at_least``: the text was rejected
+            from its length, before tokenizing).
+        max_model_len: positions per sequence.
+    """
+
+    def __init__(self, prompt_len: int, max_model_len: int, *, at_least: bool = False) -> None:
+        self.prompt_len = int(prompt_len)
+        self.max_model_len = int(max_model_len)
+        super().__init__(
+            f"prompt has {'at least ' if at_least else ''}{self.prompt_len} tokens but max_model_len is "
+            f"{self.max_model_len}; the "
+            f"prompt must be at most {self.max_model_len - 1} tokens (shorten it or raise max_model_len)")

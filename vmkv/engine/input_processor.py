@@ -15,9 +15,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from vmkv.engine.errors import InvalidRequestError
+from vmkv.engine.errors import InvalidRequestError, PromptTooLongError
 from vmkv.engine.sampling_params import SamplingParams
-from vmkv.engine.sequence import PromptTooLongError
 
 __all__ = ["InputProcessor", "ProcessedRequest", "check_cache_salt", "check_unicode", "to_token_ids"]
 

@@ -15,29 +15,12 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
+from vmkv.engine.errors import PromptTooLongError  # noqa: F401 (re-exported: its old home)
 from vmkv.engine.detokenizer import DeltaTracker, OutputText
 from vmkv.engine.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence", "SequenceGroup", "PromptTooLongError"]
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for an output token within ``max_model_len``.
-
-    Attributes:
-        prompt_len: tokens in the prompt (a lower bound when ``at_least``: the text was rejected
-            from its length, before tokenizing).
-        max_model_len: positions per sequence.
-    """
-
-    def __init__(self, prompt_len: int, max_model_len: int, *, at_least: bool = False) -> None:
-        self.prompt_len = int(prompt_len)
-        self.max_model_len = int(max_model_len)
-        super().__init__(
-            f"prompt has {'at least ' if at_least else ''}{self.prompt_len} tokens but max_model_len is "
-            f"{self.max_model_len}; the "
-            f"prompt must be at most {self.max_model_len - 1} tokens (shorten it or raise max_model_len)")
 
 
 class SequenceStatus(enum.Enum):

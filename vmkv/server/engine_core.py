@@ -186,7 +186,7 @@ class EngineCore:
                     continue
                 num_failed_steps = 0
                 if deltas:
-                    self._send(proto.StepOutputs([_wire(d) for d in deltas]))
+                    self.out.send(proto.encode_step_outputs(deltas))
         except BaseException as exc:  # noqa: BLE001 - reported to the front before exiting
             logger.exception("engine core failed; exiting")
             try:
@@ -269,10 +269,3 @@ class EngineCore:
         self.engine.requests.take_unreported()
         if deltas:
             self._send(proto.StepOutputs(deltas))
-
-
-def _wire(delta: tuple) -> proto.RequestDelta:
-    """The wire form of one ``SequenceGroup.to_delta()``."""
-    request_id, comps, finished, num_cached_tokens, error = delta
-    return proto.RequestDelta(request_id, [proto.CompletionDelta(*c) for c in comps], finished,
-                              num_cached_tokens, error)

@@ -26,11 +26,10 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
 
 from vmkv.compare import report
 from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics
-from vmkv.compare.workloads import LengthDist, Request, WorkloadSpec, arrival_offsets, generate
+from vmkv.compare.workloads import TRACE_KINDS, Request, WorkloadSpec, generate, lengths_and_arrivals, trace_note
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "the first of GET /v1/models)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (inf = all at once)")
+    p.add_argument("--workload", "--trace", default="random", choices=("random",) + TRACE_KINDS,
+                   help="random: --input-len/--output-len and Poisson/gamma arrivals; azure-conv, azure-code: "
+                        "the Azure LLM inference trace 2023, its first --num-prompts rows (lengths and "
+                        "timestamps; capped to --max-model-len), as vmkv compare engine --workload replays it")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="a trace workload: rows capped to prompt + output <= this (default: the max_model_len "
+                        "of the model's card in GET /v1/models, which vmkv serve gives; none if absent)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (inf = all at once); a trace: "
+                   "its timestamps time-scaled so the rows' mean rate is this")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--input-len", default="256", help="N, A..B, lognormal:MEDIAN,SIGMA[,MIN,MAX], sharegpt-in")
@@ -89,8 +96,7 @@ def build_requests(args) -> list[Request]:
     Raises:
         ValueError: ``--prompt-format tokens`` without a vocabulary size of at least 2.
     """
-    spec = WorkloadSpec(num_requests=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                        request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
+    spec = bench_spec(args)
     if args.prompt_format == "tokens":
         if not args.vocab_size or args.vocab_size < 2:
             raise ValueError("--prompt-format tokens needs --vocab-size (the model's vocabulary size)")
@@ -98,10 +104,7 @@ def build_requests(args) -> list[Request]:
         for r in reqs:
             r.request_id = r.request_id.replace("req-", "bench-", 1)
         return reqs
-    rngs = [np.random.default_rng([spec.seed, i]) for i in range(4)]
-    in_lens = LengthDist.parse(spec.input_len).sample(rngs[0], spec.num_requests)
-    out_lens = LengthDist.parse(spec.output_len).sample(rngs[1], spec.num_requests)
-    arrivals = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, rngs[2])
+    in_lens, out_lens, arrivals, rngs = lengths_and_arrivals(spec)
     reqs = []
     for i in range(spec.num_requests):
         n = int(in_lens[i])
@@ -109,6 +112,16 @@ def build_requests(args) -> list[Request]:
         reqs.append(Request(f"bench-{i}", [], int(out_lens[i]), float(arrivals[i]), meta={"prompt": prompt,
                                                                                          "prompt_len": n}))
     return reqs
+
+
+def bench_spec(args) -> WorkloadSpec:
+    """The :class:`WorkloadSpec` of the command line (``--workload``, ``--num-prompts``, lengths, rate,
+    seed; a trace capped at ``--max-model-len``)."""
+    kind = getattr(args, "workload", "random")
+    cap = getattr(args, "max_model_len", None) or 0
+    return WorkloadSpec(kind=kind, num_requests=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, request_rate=args.request_rate, burstiness=args.burstiness,
+                        seed=args.seed, max_model_len=cap if kind in TRACE_KINDS else 0)
 
 
 def for_sending(requests: list[Request]) -> list[Request]:
@@ -284,9 +297,17 @@ def run(args, transport=None) -> int:
         return 2
     try:
         cards = None
-        if args.model is None or (args.prompt_format == "tokens" and args.vocab_size is None):
+        trace = getattr(args, "workload", "random") in TRACE_KINDS
+        if args.model is None or (args.prompt_format == "tokens" and args.vocab_size is None) \
+                or (trace and args.max_model_len is None):
             cards = asyncio.run(model_cards(args.base_url, args.api_key, transport))
         model = args.model or cards[0]["id"]
+        if trace and args.max_model_len is None:
+            card = next((c for c in cards if c.get("id") == model), None) or {}
+            value = card.get("max_model_len")
+            if isinstance(value, int) and value >= 2:
+                args = argparse.Namespace(**{**vars(args), "max_model_len": value})
+                console.print(f"max_model_len {value} (from {args.base_url}/v1/models)")
         if args.prompt_format == "tokens" and args.vocab_size is None:
             vocab = vocab_size_of(cards, model)
             if vocab is None:
@@ -295,6 +316,8 @@ def run(args, transport=None) -> int:
             args = argparse.Namespace(**{**vars(args), "vocab_size": vocab})
             console.print(f"vocabulary size {vocab} (from {args.base_url}/v1/models)")
         requests = build_requests(args)
+        if trace:
+            console.print(trace_note(bench_spec(args)))
         if requests:
             _payload(requests[0], args, model)  # validates endpoint vs prompt format
     except (ValueError, RuntimeError, OSError) as exc:

@@ -17,16 +17,16 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vmkv.compare import report
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.worker_proc import run_worker_process
-from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate
+from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate, trace_note, trace_rows
 
 from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args, parse_size
-from vmkv.engine.config import ENGINE_DTYPES, CacheConfig
+from vmkv.engine.config import DEFAULT_MAX_MODEL_LEN, ENGINE_DTYPES, CacheConfig
 from vmkv.kvcache.registry import backend_choices, option_backends
 
 logger = logging.getLogger(__name__)
@@ -44,12 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=ENGINE_DTYPES,
                    help="model and KV dtype (default: auto, bf16 on CUDA, fp32 on CPU)")
     w = p.add_argument_group("workload (seeded; identical on every backend)")
-    w.add_argument("--workload", default="random", choices=WORKLOAD_KINDS)
-    w.add_argument("--num-requests", type=int, default=16)
+    w.add_argument("--workload", "--trace", default="random", choices=WORKLOAD_KINDS,
+                   help="random, shared-prefix, parallel: synthetic (--input-len/--output-len, Poisson/gamma "
+                        "arrivals); azure-conv, azure-code: the Azure LLM inference trace 2023 replayed, its "
+                        "first --num-requests rows (lengths and arrival times from the trace; --input-len, "
+                        "--output-len and --burstiness unused; rows capped to prompt + output <= "
+                        "--max-model-len)")
+    w.add_argument("--num-requests", type=int, default=16, help="requests (a trace: its first N rows)")
     w.add_argument("--input-len", default="128", help="N, A..B (uniform), lognormal:MEDIAN,SIGMA[,MIN,MAX], sharegpt-in")
     w.add_argument("--output-len", default="64", help="same forms as --input-len (exact: ignore_eos)")
     w.add_argument("--request-rate", default="inf", help="comma-separated req/s; inf = offline; 0.5x = fraction "
-                   "of the first backend's offline req/s (e.g. inf,0.3x,0.6x,0.9x)")
+                   "of the first backend's offline req/s (e.g. inf,0.3x,0.6x,0.9x); a trace workload: its "
+                   "timestamps time-scaled so the rows' mean rate is R req/s (inf: every row at t=0)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
     w.add_argument("--shared-prefix-len", type=int, default=0, help="shared-prefix: tokens of each system prompt")
     w.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
@@ -67,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the workload's longest prompt + output, rounded up to 256")
+                   help="default: the workload's longest prompt + output, rounded up to 256 (a trace: at "
+                        "most the model shape's context, or 4096 for a checkpoint; longer rows are capped)")
     budget = e.add_mutually_exclusive_group()
     budget.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
     budget.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
@@ -170,7 +177,10 @@ def _spec(args, rate: float) -> WorkloadSpec:
 def worker_config(args, backend: str, rate_text: str, spec: WorkloadSpec, max_model_len: int) -> dict:
     """The configuration of one (scenario, backend) run of :mod:`vmkv.compare.engine_worker` (JSON):
     model, device, dtype, the engine knobs of ``backend`` (:func:`_knobs`), the workload, warm-up,
-    temperature and SLO.  ``vmkv compare serve`` starts ``vmkv serve`` from the same dict."""
+    temperature and SLO.  ``vmkv compare serve`` starts ``vmkv serve`` from the same dict.  A trace
+    workload is capped at ``max_model_len`` here (its rows' prompt + output)."""
+    if spec.is_trace and spec.max_model_len != max_model_len:
+        spec = replace(spec, max_model_len=max_model_len)
     return {"backend": backend, "scenario": scenario_name(spec.request_rate), "rate_spec": rate_text,
             "model": None if args.model in SHAPES else args.model, "device": args.device,
             "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
@@ -179,7 +189,11 @@ def worker_config(args, backend: str, rate_text: str, spec: WorkloadSpec, max_mo
             "slo": args.slo, "torch_threads": args.torch_threads}
 
 
-def _default_max_model_len(spec: WorkloadSpec) -> int:
+def _default_max_model_len(spec: WorkloadSpec, model: str | None = None) -> int:
+    if spec.is_trace:   # the rows uncapped; at most the model's context (the engine's default for a checkpoint)
+        ctx, gen, _, _ = trace_rows(replace(spec, max_model_len=0))
+        limit = SHAPES[model].max_model_len if model in SHAPES else DEFAULT_MAX_MODEL_LEN
+        return min(int(math.ceil((int((ctx + gen).max()) + 1) / 256) * 256), limit)
     # lengths do not depend on the vocabulary (separate random streams), so any vocab gives them
     reqs = generate(spec, 1000)
     longest = max(r.prompt_len + r.output_len for r in reqs)
@@ -217,12 +231,13 @@ def _reference_rate(path: str | None, runs: list[dict], backend: str) -> float |
 class Plan:
     """What a comparison runs, resolved from the command line (:func:`plan`): the backends in order,
     the rates (offline first: relative rates need its throughput), the workload at t=0 and the
-    ``max_model_len`` every run gets."""
+    ``max_model_len`` every run gets; ``note``: what a trace workload replays (rows, clipped rows), or ""."""
 
     backends: list[str]
     rates: list[str]
     base_spec: WorkloadSpec
     max_model_len: int
+    note: str = ""
 
 
 def plan(args) -> Plan:
@@ -239,7 +254,10 @@ def plan(args) -> Plan:
         LengthDist.parse(text)
     check_backends(args, backends)
     rates.sort(key=lambda r: (r != "inf", r.endswith("x")))
-    return Plan(backends, rates, base_spec, args.max_model_len or _default_max_model_len(base_spec))
+    max_model_len = args.max_model_len or _default_max_model_len(base_spec, args.model)
+    if base_spec.is_trace:
+        base_spec = replace(base_spec, max_model_len=max_model_len)
+    return Plan(backends, rates, base_spec, max_model_len, trace_note(base_spec))
 
 
 def resolve_rate(rate_text: str, args, runs: list[dict], backend: str) -> float:
@@ -268,6 +286,8 @@ def run(args) -> int:
         console.print(f"[red]error:[/red] {exc}")
         return 2
     backends, base_spec, max_model_len = p.backends, p.base_spec, p.max_model_len
+    if p.note:
+        console.print(p.note)
     out_dir = Path(args.out or f"vmkv-results/engine-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = report.environment(seed=args.seed)

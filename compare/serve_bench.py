@@ -300,6 +300,8 @@ def run(args) -> int:
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
+    if plan.note:
+        console.print(plan.note)
     out_dir = Path(args.out or f"vmkv-results/serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = report.environment(seed=args.seed)

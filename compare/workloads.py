@@ -22,20 +22,46 @@ burstiness 1 is a Poisson process; < 1 burstier, > 1 more uniform).
 Kinds: ``random`` (independent prompts), ``shared-prefix`` (each prompt starts with one of
 ``num_prefixes`` shared "system prompts" of ``shared_prefix_len`` tokens, then its own random tokens:
 prefix caching), ``parallel`` (every request asks for ``n`` samples: fork and copy-on-write).
+
+Traces: ``azure-conv`` and ``azure-code`` replay the Azure LLM inference trace 2023 (Patel et al., "Splitwise",
+ISCA 2024; CC-BY 4.0; shipped gzipped in ``compare/data/azure_llm_2023/``, whose README names the source
+commit): the first ``num_requests`` rows (19,366 conversation rows, 8,819 code rows; an error above that),
+ContextTokens as the prompt length and GeneratedTokens as the output length (``input_len``/``output_len``
+and ``burstiness`` are not used), arrivals from the TIMESTAMP column relative to the first row.  A finite
+``request_rate`` R scales time so that the rows' mean rate ((rows - 1) / (last - first timestamp)) is R
+req/s, keeping the trace's burst pattern; ``inf`` puts every row at t=0.  ``max_model_len`` (> 0) caps
+every row at prompt + output <= max_model_len: the output keeps its length (at most max_model_len - 1)
+and the prompt is shortened to fit; :func:`trace_info` counts the rows clipped.  Token ids are random
+from the seed, as for the synthetic kinds.  ``sharegpt-in``/``sharegpt-out`` above are the synthetic form
+(lognormals), the trace kinds are real arrivals and lengths.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["LengthDist", "WorkloadSpec", "Request", "generate", "arrival_offsets", "WORKLOAD_KINDS"]
+__all__ = ["LengthDist", "WorkloadSpec", "Request", "generate", "arrival_offsets", "WORKLOAD_KINDS",
+           "TRACE_KINDS", "Trace", "load_trace", "trace_rows", "trace_info", "trace_note",
+           "lengths_and_arrivals"]
 
-WORKLOAD_KINDS = ("random", "shared-prefix", "parallel")
+#: workloads replayed from a shipped trace (module docstring, "Traces"): kind -> file under data/
+TRACE_FILES = {"azure-conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv.gz",
+               "azure-code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv.gz"}
+TRACE_KINDS = tuple(TRACE_FILES)
+WORKLOAD_KINDS = ("random", "shared-prefix", "parallel") + TRACE_KINDS
+#: what ``input_len``/``output_len`` read for a trace kind (its lengths come from the trace)
+TRACE_INPUT_LEN = "trace:ContextTokens"
+TRACE_OUTPUT_LEN = "trace:GeneratedTokens"
+_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 _SHAREGPT_MEANS = {"sharegpt-in": 161.0, "sharegpt-out": 338.0}
 _SHAREGPT_SIGMA = 1.0
@@ -135,6 +161,8 @@ class WorkloadSpec:
         num_prefixes: distinct shared system prompts, assigned round-robin.
         n: samples per request (``parallel``).
         seed: seed of every random draw.
+        max_model_len: trace kinds: every row capped at prompt + output <= this (0: no cap); the
+            synthetic kinds do not use it.
     """
 
     kind: str = "random"
@@ -147,10 +175,17 @@ class WorkloadSpec:
     num_prefixes: int = 1
     n: int = 1
     seed: int = 0
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
             raise ValueError(f"workload kind must be one of {WORKLOAD_KINDS}, got {self.kind!r}")
+        if self.max_model_len < 0 or self.max_model_len == 1:
+            raise ValueError(f"max_model_len must be 0 (no cap) or >= 2, got {self.max_model_len}")
+        if self.is_trace:   # lengths and arrivals come from the trace
+            object.__setattr__(self, "input_len", TRACE_INPUT_LEN)
+            object.__setattr__(self, "output_len", TRACE_OUTPUT_LEN)
+            object.__setattr__(self, "burstiness", 1.0)
         if self.num_requests <= 0:
             raise ValueError(f"num_requests must be > 0, got {self.num_requests}")
         if not self.request_rate > 0:
@@ -164,6 +199,12 @@ class WorkloadSpec:
             raise ValueError("shared-prefix workload needs shared_prefix_len > 0 (e.g. --shared-prefix-len 512)")
         if self.kind != "parallel" and self.n != 1:
             raise ValueError(f"n={self.n} needs --workload parallel")
+        if self.is_trace:
+            rows = len(load_trace(self.kind))
+            if self.num_requests > rows:
+                raise ValueError(f"the {self.kind} trace has {rows} rows; num_requests={self.num_requests} "
+                                 f"asks for more (--num-requests {rows} replays it all)")
+            return
         LengthDist.parse(self.input_len)
         LengthDist.parse(self.output_len)
 
@@ -171,14 +212,23 @@ class WorkloadSpec:
     def is_offline(self) -> bool:
         return math.isinf(self.request_rate)
 
+    @property
+    def is_trace(self) -> bool:
+        return self.kind in TRACE_KINDS
+
     def to_dict(self) -> dict:
+        """The fields (``request_rate`` ``"inf"`` when offline); a trace kind adds ``trace``, its
+        :func:`trace_info` (rows, clipped rows, time scale: written into every result, ignored by
+        :meth:`from_dict`)."""
         d = asdict(self)
         d["request_rate"] = "inf" if self.is_offline else self.request_rate
+        if self.is_trace:
+            d["trace"] = trace_info(self)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkloadSpec":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k != "trace"}
         d["request_rate"] = float(d["request_rate"])
         return cls(**d)
 
@@ -220,6 +270,124 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
     return np.cumsum(gaps)
 
 
+@dataclass(frozen=True)
+class Trace:
+    """A shipped trace's rows, in file order.
+
+    Attributes:
+        name: the workload kind (``azure-conv``, ``azure-code``).
+        path: the gzipped CSV read.
+        timestamps_s: seconds since the first row, ``float64 [rows]``, non-decreasing.
+        context_tokens, generated_tokens: ``int64 [rows]``.
+        first_timestamp: the first row's TIMESTAMP text, as in the file.
+    """
+
+    name: str
+    path: Path
+    timestamps_s: np.ndarray
+    context_tokens: np.ndarray
+    generated_tokens: np.ndarray
+    first_timestamp: str
+
+    def __len__(self) -> int:
+        return int(self.timestamps_s.size)
+
+
+def _parse_timestamp(text: str) -> tuple[datetime, float]:
+    # "2023-11-16 18:15:46.6805900": seven fraction digits, more than datetime parses; whole seconds and
+    # the fraction apart keep every digit
+    whole, _, frac = text.strip().partition(".")
+    return datetime.strptime(whole, "%Y-%m-%d %H:%M:%S"), float("0." + frac) if frac else 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def load_trace(kind: str) -> Trace:
+    """The rows of trace workload ``kind`` (one of :data:`TRACE_KINDS`), read once per process.
+
+    Raises:
+        ValueError: an unknown kind, or a file whose header is not TIMESTAMP,ContextTokens,GeneratedTokens
+            or whose row has not three fields / decreasing timestamps (the message names the row).
+    """
+    if kind not in TRACE_FILES:
+        raise ValueError(f"no trace named {kind!r}; choose from {TRACE_KINDS}")
+    path = _DATA_DIR / TRACE_FILES[kind]
+    with gzip.open(path, "rt", encoding="utf-8-sig", newline="") as f:
+        lines = f.read().splitlines()
+    if not lines or lines[0].strip() != "TIMESTAMP,ContextTokens,GeneratedTokens":
+        raise ValueError(f"{path}: header must be TIMESTAMP,ContextTokens,GeneratedTokens, got {lines[:1]}")
+    rows = [ln.split(",") for ln in lines[1:] if ln.strip()]
+    bad = next((i for i, r in enumerate(rows) if len(r) != 3), None)
+    if bad is not None:
+        raise ValueError(f"{path}: data row {bad + 1} has {len(rows[bad])} fields, not 3: {rows[bad]!r}")
+    t0, f0 = _parse_timestamp(rows[0][0])
+    ts = np.empty(len(rows), dtype=np.float64)
+    for i, r in enumerate(rows):
+        t, frac = _parse_timestamp(r[0])
+        ts[i] = (t - t0).total_seconds() + (frac - f0)
+    if np.any(np.diff(ts) < 0):
+        i = int(np.argmax(np.diff(ts) < 0)) + 1
+        raise ValueError(f"{path}: data row {i + 1}'s timestamp is before the previous row's")
+    ctx = np.array([int(r[1]) for r in rows], dtype=np.int64)
+    gen = np.array([int(r[2]) for r in rows], dtype=np.int64)
+    return Trace(kind, path, ts, ctx, gen, rows[0][0])
+
+
+def trace_rows(spec: WorkloadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A trace spec's ``(prompt_lens, output_lens, arrivals_s, clipped)``: its first ``num_requests``
+    rows, capped to ``spec.max_model_len`` (module docstring, "Traces"), arrivals scaled to
+    ``spec.request_rate`` (zeros when offline); ``clipped`` counts the rows the cap shortened."""
+    tr = load_trace(spec.kind)
+    n = spec.num_requests
+    ctx, gen = tr.context_tokens[:n].copy(), tr.generated_tokens[:n].copy()
+    clipped = 0
+    if spec.max_model_len:
+        m = spec.max_model_len
+        over = ctx + gen > m
+        clipped = int(over.sum())
+        gen = np.minimum(gen, m - 1)
+        ctx = np.maximum(np.minimum(ctx, m - gen), 1)
+    ctx, gen = np.maximum(ctx, 1), np.maximum(gen, 1)
+    t = tr.timestamps_s[:n] - tr.timestamps_s[0]
+    if spec.is_offline:
+        arrivals = np.zeros(n)
+    else:
+        span = float(t[-1])
+        arrivals = t * ((n - 1) / span / spec.request_rate) if n > 1 and span > 0 else np.zeros(n)
+    return ctx, gen, arrivals, clipped
+
+
+def trace_info(spec: WorkloadSpec) -> dict:
+    """What a trace spec replays, for results and logs: the trace and its file, rows used (the first
+    ``num_requests``), rows clipped by ``max_model_len``, the rows' own mean rate (req/s), the time
+    scale applied (scaled seconds per trace second; None offline), mean prompt and output lengths after
+    the cap."""
+    tr = load_trace(spec.kind)
+    ctx, gen, _, clipped = trace_rows(spec)
+    n = spec.num_requests
+    span = float(tr.timestamps_s[n - 1] - tr.timestamps_s[0])
+    native = (n - 1) / span if n > 1 and span > 0 else None
+    scale = None if spec.is_offline or native is None else native / spec.request_rate
+    return {"name": spec.kind, "file": f"compare/data/{TRACE_FILES[spec.kind]}", "rows_in_file": len(tr),
+            "rows_used": n, "first_timestamp": tr.first_timestamp, "trace_span_s": round(span, 6),
+            "trace_mean_rate": None if native is None else round(native, 6),
+            "time_scale": None if scale is None else round(scale, 6),
+            "max_model_len": spec.max_model_len or None, "rows_clipped": clipped,
+            "mean_prompt_len": round(float(ctx.mean()), 3), "mean_output_len": round(float(gen.mean()), 3)}
+
+
+def trace_note(spec: WorkloadSpec) -> str:
+    """One line saying what a trace spec replays (empty for the synthetic kinds)."""
+    if not spec.is_trace:
+        return ""
+    i = trace_info(spec)
+    rate = ("a rate R scales its timestamps to R req/s, inf puts every row at t=0" if spec.is_offline else
+            f"time scaled x{i['time_scale']:.4g} to {spec.request_rate:g} req/s")
+    return (f"trace {i['name']}: first {i['rows_used']} of {i['rows_in_file']} rows, own mean rate "
+            f"{i['trace_mean_rate'] or float('nan'):.3f} req/s, {rate}; {i['rows_clipped']} rows clipped to "
+            f"prompt + output <= max_model_len {i['max_model_len']}; mean prompt {i['mean_prompt_len']:.0f}, "
+            f"output {i['mean_output_len']:.0f} tokens")
+
+
 def _token_range(vocab_size: int) -> tuple[int, int]:
     # skip the low ids (special/control tokens in most vocabularies)
     if vocab_size < 2:
@@ -228,18 +396,29 @@ def _token_range(vocab_size: int) -> tuple[int, int]:
     return low, vocab_size
 
 
+def lengths_and_arrivals(spec: WorkloadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+    """``(prompt_lens, output_lens, arrivals_s, rngs)`` of ``spec``: sampled (synthetic kinds) or the
+    trace's rows (:func:`trace_rows`); ``rngs[3]`` is the token stream :func:`generate` draws prompts
+    from (``vmkv bench serve`` draws its text prompts from it too)."""
+    rngs = [np.random.default_rng([spec.seed, i]) for i in range(4)]
+    if spec.is_trace:
+        in_lens, out_lens, arrivals, _ = trace_rows(spec)
+        return in_lens, out_lens, arrivals, rngs
+    in_lens = LengthDist.parse(spec.input_len).sample(rngs[0], spec.num_requests)
+    out_lens = LengthDist.parse(spec.output_len).sample(rngs[1], spec.num_requests)
+    arrivals = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, rngs[2])
+    return in_lens, out_lens, arrivals, rngs
+
+
 def generate(spec: WorkloadSpec, vocab_size: int) -> list[Request]:
     """The spec's requests, deterministic in ``(spec, vocab_size)``.
 
     Independent streams per quantity (lengths, arrivals, tokens) so changing the rate leaves the
-    prompts unchanged.
+    prompts unchanged; a trace kind takes lengths and arrivals from its rows.
     Raises:
         ValueError: bad vocab size, or a shared prefix longer than the input length allows.
     """
-    rngs = [np.random.default_rng([spec.seed, i]) for i in range(4)]
-    in_lens = LengthDist.parse(spec.input_len).sample(rngs[0], spec.num_requests)
-    out_lens = LengthDist.parse(spec.output_len).sample(rngs[1], spec.num_requests)
-    arrivals = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, rngs[2])
+    in_lens, out_lens, arrivals, rngs = lengths_and_arrivals(spec)
     lo, hi = _token_range(vocab_size)
     tok_rng = rngs[3]
     prefixes = []

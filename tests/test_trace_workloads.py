@@ -175,3 +175,21 @@ def test_compare_engine_replays_the_code_trace(tmp_path):
     assert s["total_input_tokens"] == sum(r.prompt_len for r in want)
     assert s["total_output_tokens"] == sum(r.output_len for r in want)
     assert run["workload_fingerprint"] == fingerprint(want)
+
+
+def test_bench_serve_caps_the_trace_at_the_served_max_model_len(tmp_path):
+    """``vmkv bench serve --workload azure-code`` without ``--max-model-len`` caps the rows at the card's
+    ``max_model_len`` (vmkv serve gives it) and sends the requests ``--max-model-len`` would have given."""
+    from test_bench_serve import _args, _card_server
+
+    seen = []
+    args = _args(prompt_format="tokens", workload="azure-code", out=tmp_path)
+    args.model = None
+    card = {"id": "random-tiny", "object": "model", "max_model_len": 256, "vocab_size": 512}
+    assert bench_cli.run(args, transport=_card_server(seen, card)) == 0
+    want = bench_cli.build_requests(_args(prompt_format="tokens", workload="azure-code", vocab_size=512,
+                                          max_model_len=256))
+    assert sorted((tuple(b["prompt"]), b["max_tokens"]) for b in seen) == \
+           sorted((tuple(r.meta["prompt"]), r.output_len) for r in want)
+    assert all(len(b["prompt"]) + b["max_tokens"] <= 256 for b in seen)
+    assert json.loads((tmp_path / "bench.json").read_text())["args"]["max_model_len"] == 256

@@ -27,6 +27,7 @@ from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, gen
 
 from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args, parse_size
 from vmkv.engine.config import DEFAULT_MAX_MODEL_LEN, ENGINE_DTYPES, CacheConfig
+from vmkv.engine.reservation import check_reservation, design_label, parse_design
 from vmkv.kvcache.registry import backend_choices, option_backends
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,14 @@ __all__ = ["add_arguments", "run", "parse_rates", "scenario_name", "backend_knob
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to compare")
-    g.add_argument("--backends", default="paged,vmem", help="comma-separated KV backends")
+    g.add_argument("--backends", default="paged,vmem",
+                   help="comma-separated KV designs: a backend (paged, vmem) or a backend with a static "
+                        "reservation policy, e.g. paged+max (Orca Max on paged blocks), vmem+oracle")
+    g.add_argument("--kv-reservations", default="none",
+                   help="comma-separated static KV reservation policies (none, oracle, pow2, max: serve's "
+                        "--kv-reservation) each --backends entry without a +policy runs with, e.g. "
+                        "--backends paged,vmem --kv-reservations none,oracle,max: every design in one run "
+                        "(default: none)")
     g.add_argument("--model", default=None, help="checkpoint path (HF dir or .gguf), or a random-weight shape "
                    f"({', '.join(SHAPES)}); default: the default model (SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
@@ -131,6 +139,24 @@ def backend_knobs(args) -> dict[str, object]:
     return out
 
 
+def designs(backends_text: str, reservations_text: str = "none") -> list[str]:
+    """The KV designs a comparison runs, in order: each ``--backends`` entry, crossed with
+    ``--kv-reservations`` unless it names its policy (``"paged+max"``); labels as
+    :func:`vmkv.engine.reservation.design_label` writes them (``"paged"``, ``"paged+max"``).
+
+    Raises:
+        ValueError: an unknown reservation policy (the message lists the choices).
+    """
+    policies = [check_reservation(p.strip(), "--kv-reservations entry") for p in str(reservations_text).split(",")
+                if p.strip()] or ["none"]
+    out = []
+    for entry in (b.strip() for b in str(backends_text).split(",") if b.strip()):
+        backend, policy = parse_design(entry)
+        for pol in ([policy] if "+" in entry else policies):
+            out.append(design_label(backend, pol))
+    return out
+
+
 def check_backends(args, backends: list[str]) -> None:
     """Raise ValueError for an unknown backend, or a backend option set to a value but its default that
     no listed backend takes (e.g. ``--attention-impl sdpa --backends paged``): it would change nothing
@@ -148,10 +174,11 @@ def check_backends(args, backends: list[str]) -> None:
                              f"{','.join(backends)} lists none of them; add {owners[0]} to --backends or drop {flag}")
 
 
-def _knobs(args, max_model_len: int, backend: str) -> dict:
-    """``LLMEngine.from_args`` knobs of one run: the engine limits, and the backend options that
-    ``backend``'s options class has."""
-    knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+def _knobs(args, max_model_len: int, design: str) -> dict:
+    """``LLMEngine.from_args`` knobs of one run of ``design`` (``"paged+max"``): the engine limits, its
+    reservation policy, and the backend options that its backend's options class has."""
+    backend, policy = parse_design(design)
+    knobs = {"kv_reservation": policy,"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "seed": args.seed, "enforce_eager": args.enforce_eager,
              "async_scheduling": args.async_scheduling,
              "cuda_graph_sizes": args.cuda_graph_sizes, "tensor_parallel_size": args.tensor_parallel_size}
@@ -181,7 +208,9 @@ def worker_config(args, backend: str, rate_text: str, spec: WorkloadSpec, max_mo
     workload is capped at ``max_model_len`` here (its rows' prompt + output)."""
     if spec.is_trace and spec.max_model_len != max_model_len:
         spec = replace(spec, max_model_len=max_model_len)
-    return {"backend": backend, "scenario": scenario_name(spec.request_rate), "rate_spec": rate_text,
+    kv_backend, policy = parse_design(backend)     # backend: a design label (designs())
+    return {"backend": backend, "kv_backend": kv_backend, "kv_reservation": policy,
+            "scenario": scenario_name(spec.request_rate), "rate_spec": rate_text,
             "model": None if args.model in SHAPES else args.model, "device": args.device,
             "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
             "warmup_requests": args.warmup_requests, "temperature": args.temperature,
@@ -247,12 +276,12 @@ def plan(args) -> Plan:
         ValueError: a bad rate, length distribution, workload field or backend option (the message
             names it).
     """
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backends = designs(args.backends, getattr(args, "kv_reservations", "none"))
     rates = parse_rates(args.request_rate)
     base_spec = _spec(args, math.inf)
     for text in (args.input_len, args.output_len):
         LengthDist.parse(text)
-    check_backends(args, backends)
+    check_backends(args, list(dict.fromkeys(parse_design(b)[0] for b in backends)))
     rates.sort(key=lambda r: (r != "inf", r.endswith("x")))
     max_model_len = args.max_model_len or _default_max_model_len(base_spec, args.model)
     if base_spec.is_trace:

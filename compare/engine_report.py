@@ -12,7 +12,8 @@ __all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows",
 
 SERVING_COLUMNS = ["scenario", "backend", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                    "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput"]
-MEMORY_COLUMNS = ["scenario", "backend", "KV alloc peak", "mapped peak", "created peak/final", "waste %", "B/used tok",
+MEMORY_COLUMNS = ["scenario", "backend", "KV alloc peak", "mapped peak", "created peak/final", "waste %",
+                  "reserved unused %", "B/used tok",
                   "max seqs", "preempt", "hit %", "alloc %", "alloc ahead %", "prefetch %", "alloc us p99", "map us p50/99",
                   "unmap us p50/99", "device peak"]
 RATIO_COLUMNS = ["scenario", "ratio", "out tok/s", "TTFT p50", "TPOT p50", "E2E p50", "peak mapped", "max seqs"]
@@ -65,6 +66,7 @@ def memory_rows(runs: list[dict]) -> list[list[str]]:
         v = vmm_latency(r)
         rows.append([r["scenario"], r["backend"], report.fmt_size(m["peak_allocated_bytes"], 1),
                      report.fmt_size(m["peak_mapped_bytes"], 1), _created(m), _f(m["waste_pct_mean"]),
+                     _f(m["reserved_unused_pct_mean"]) if "reserved_unused_pct_mean" in m else "-",
                      _f(m["bytes_per_used_token_at_peak"], 0), str(m["max_concurrent_seqs"]), str(m["preemptions"]),
                      _f(100 * m["prefix_hit_rate"], 1), _f(a["alloc_share_pct"], 3),
                      _f(a["alloc_ahead_share_pct"], 3) if "alloc_ahead_share_pct" in a else "-",

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 #: live sequence; ``device_used_bytes``: device memory in use (CUDA: total - free; CPU: process RSS).
 STEP_COLUMNS = ("t_s", "step_s", "alloc_s", "num_running", "num_waiting", "num_seqs", "used_tokens",
                 "allocated_bytes", "mapped_bytes", "waste_bytes", "free_tokens", "created_bytes", "in_use_bytes",
-                "idle_bytes", "device_used_bytes")
+                "idle_bytes", "device_used_bytes", "reserved_unused_bytes")
 
 #: columns sampled while the engine waits for the next arrival (online runs; ``idle_memory`` in the raw
 #: output, at most every ``STATS_INTERVAL_S``): the memory a backend gives back between bursts shows there
@@ -89,7 +89,7 @@ class _Sampler:
         row = (t0 - self.start, st.last_step_time_s, critical - self.prev_alloc_s, st.num_running,
                st.num_waiting, u.num_seqs, u.used_tokens, u.allocated_bytes, u.mapped_bytes, u.waste_bytes,
                u.free_tokens, created, u.allocated_bytes, max(0, created - u.allocated_bytes),
-               device_memory_used_bytes(self.cuda_device))
+               device_memory_used_bytes(self.cuda_device), st.reserved_unused_bytes)
         self.prev_alloc_s = critical
         self.max_running = max(self.max_running, st.num_running)
         for c, v in zip(STEP_COLUMNS, row):
@@ -243,7 +243,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg["torch_threads"]))
     t_load = time.perf_counter()
-    engine = LLMEngine.from_args(model=cfg.get("model"), kv_backend=cfg["backend"], device=cfg.get("device"),
+    engine = LLMEngine.from_args(model=cfg.get("model"), kv_backend=cfg.get("kv_backend", cfg["backend"]), device=cfg.get("device"),
                                  dtype=cfg.get("dtype"), **cfg.get("knobs", {}))
     load_s = time.perf_counter() - t_load
     device = engine.device
@@ -329,6 +329,11 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "final_created_bytes": int(cols["created_bytes"][-1]) if cols["created_bytes"] else 0,
         "final_in_use_bytes": int(cols["in_use_bytes"][-1]) if cols["in_use_bytes"] else 0,
         "peak_idle_bytes": int(max(cols["idle_bytes"], default=0)),
+        # backed positions no step has written yet: a static reservation's reserved-but-unused KV
+        "peak_reserved_unused_bytes": int(max(cols["reserved_unused_bytes"], default=0)),
+        "reserved_unused_pct_mean": (float(100 * sum(cols["reserved_unused_bytes"]) / alloc.sum())
+                                     if alloc.sum() else 0.0),
+        "reservation_overruns": st1.num_reservation_overruns - st0.num_reservation_overruns,
         "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
     }
     vmm, vmm_raw = _vmm_delta(stats0, stats1, samples1)
@@ -361,6 +366,8 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
     mc = engine.model_config
     result = {
         "backend": cfg["backend"],
+        "kv_backend": cfg.get("kv_backend", cfg["backend"]),
+        "kv_reservation": cfg.get("kv_reservation", "none"),
         "scenario": cfg["scenario"],
         "model": {"name": engine.model_name, "kind": "random-weights" if cfg.get("knobs", {}).get("random_weights")
                   else ("checkpoint" if cfg.get("model") else "default"), "source": cfg.get("model") or

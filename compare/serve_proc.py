@@ -30,7 +30,7 @@ _VALUE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--m
                 "page_size_bytes": "--page-size-bytes", "layout": "--layout", "driver": "--driver",
                 "attention_impl": "--attention-impl", "lookahead_tokens": "--lookahead-tokens",
                 "kv_reserve_bytes": "--kv-reserve", "kv_shrink_grace_s": "--kv-shrink-grace-s",
-                "max_span_bytes": "--max-span-bytes"}
+                "max_span_bytes": "--max-span-bytes", "kv_reservation": "--kv-reservation"}
 #: knob -> (flag when True, flag when False); None: a store_true flag, nothing to pass for False
 _BOOL_FLAGS = {"enforce_eager": ("--enforce-eager", None),
                "async_scheduling": ("--async-scheduling", "--no-async-scheduling"),
@@ -50,7 +50,7 @@ def serve_argv(cfg: dict, port: int, host: str = "127.0.0.1", graceful_timeout_s
         ValueError: a knob this function has no flag for (a new knob must be mapped here, or the two
             paths would run different engines).
     """
-    argv = ["--backend", cfg["backend"], "--host", host, "--port", str(port), "--log-level", log_level,
+    argv = ["--backend", cfg.get("kv_backend", cfg["backend"]), "--host", host, "--port", str(port), "--log-level", log_level,
             "--graceful-timeout", f"{graceful_timeout_s:g}"]
     for key, flag in (("model", "--model"), ("device", "--device"), ("dtype", "--dtype"),
                       ("torch_threads", "--threads")):

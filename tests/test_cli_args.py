@@ -29,6 +29,7 @@ ENGINE_FLAGS = [
     "--cuda-graph-sizes", "2", "1",
     "--async-scheduling",
     "--tensor-parallel-size", "2",
+    "--kv-reservation", "pow2",
 ]
 EXPECTED_KWARGS = dict(
     model="some/dir", kv_backend="vmem", device="cpu", dtype="float32", seed=7, random_weights="tiny",
@@ -40,6 +41,7 @@ EXPECTED_KWARGS = dict(
     cuda_graph_sizes=[2, 1],
     async_scheduling=True,
     tensor_parallel_size=2,
+    kv_reservation="pow2",
 )
 
 
@@ -91,7 +93,8 @@ def test_defaults_come_from_the_configs():
         driver=cc.driver, attention_impl=cc.attention_impl, lookahead_tokens=cc.lookahead_tokens,
         preallocate=cc.preallocate, enable_prefix_caching=cc.enable_prefix_caching,
         kv_reserve_bytes=cc.kv_reserve_bytes, kv_shrink_grace_s=cc.kv_shrink_grace_s,
-        max_span_bytes=cc.max_span_bytes, enable_chunked_prefill=sc.enable_chunked_prefill)
+        max_span_bytes=cc.max_span_bytes, enable_chunked_prefill=sc.enable_chunked_prefill,
+        kv_reservation=sc.kv_reservation)
     assert p.parse_args([]).threads is None           # torch's own thread count is left alone
     # the kwargs build a valid config as they are
     assert EngineConfig.from_args(**kw) == EngineConfig()

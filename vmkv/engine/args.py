@@ -25,6 +25,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from vmkv.engine.reservation import KV_RESERVATIONS
 from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
 
 __all__ = ["parse_size", "size_or_zero", "add_engine_args", "engine_kwargs", "apply_threads", "option_choices",
@@ -113,7 +114,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     --max-num-batched-tokens --max-model-len --kv-memory (alias --memory-bytes) |
     --gpu-memory-utilization --block-size --page-size-bytes --layout --driver --attention-impl
     --lookahead-tokens --[no-]preallocate --kv-reserve --kv-shrink-grace-s --max-span-bytes
-    --[no-]enable-prefix-caching --[no-]enable-chunked-prefill``).
+    --[no-]enable-prefix-caching --[no-]enable-chunked-prefill --kv-reservation``).
 
     Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`; the
     backend options' choices and help from the backends' options classes (:func:`option_choices`).
@@ -168,6 +169,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split long prompts over steps (default: %(default)s)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    add_reservation_arg(g)
+
+
+def add_reservation_arg(g) -> None:
+    """``--kv-reservation {none,oracle,pow2,max}`` (serve, generate; :mod:`vmkv.engine.reservation`)."""
+    g.add_argument("--kv-reservation", choices=KV_RESERVATIONS, default=SchedulerConfig().kv_reservation,
+                   help="static KV reservation at admission, the Orca baselines: reserve min(prompt + "
+                        "estimated output, max_model_len) tokens once, never grow, never preempt; the "
+                        "estimate is max_tokens (oracle), its next power of two (pow2) or max_model_len "
+                        "(max); none grows on demand (default: %(default)s)")
 
 
 def add_graph_args(g) -> None:
@@ -233,6 +244,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         preallocate=args.preallocate, kv_reserve_bytes=args.kv_reserve_bytes,
         kv_shrink_grace_s=args.kv_shrink_grace_s, max_span_bytes=args.max_span_bytes,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+        kv_reservation=args.kv_reservation,
     )
 
 

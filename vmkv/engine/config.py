@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vmkv.engine.reservation import check_reservation
 from vmkv.kvcache.dtypes import AUTO_DTYPE, MODEL_DTYPES, dtype_names
 from vmkv.kvcache.options import BackendOptions
 from vmkv.kvcache.registry import BACKENDS, backend_options_class, option_backends
@@ -162,6 +163,10 @@ class SchedulerConfig:
             ``min(model context, 4096)``.
         enable_chunked_prefill: split a prompt longer than the step's remaining budget over steps;
             when off, ``max_num_batched_tokens`` must be ``>= max_model_len``.
+        kv_reservation: static KV reservation at admission (:mod:`vmkv.engine.reservation`, the Orca
+            baselines): ``"none"`` (grow on demand, preempt when full), ``"oracle"``, ``"pow2"`` or
+            ``"max"`` (reserve ``min(prompt + estimated output, max_model_len)`` once, never grow,
+            never preempt).
     Raises:
         ValueError: a field is out of range.
     """
@@ -170,8 +175,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    kv_reservation: str = "none"
 
     def __post_init__(self) -> None:
+        check_reservation(self.kv_reservation, "SchedulerConfig.kv_reservation")
         _positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
         _positive_int("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("SchedulerConfig", "max_model_len", self.max_model_len, allow_none=True)

@@ -335,7 +335,9 @@ class LLMEngine:
             num_finished_total=self.requests.num_finished_total,
             num_failed_total=self.requests.num_failed_total,
             prefetch_time_s_total=self.runner.prefetch_time_s_total, **self.runner.graph_stats(),
-            num_ahead_steps_total=self.steps.num_ahead_steps)
+            num_ahead_steps_total=self.steps.num_ahead_steps,
+            reserved_unused_bytes=self.scheduler.reserved_unused_tokens() * self.kv_cache.spec.bytes_per_token,
+            num_reservation_overruns=self.scheduler.num_reservation_overruns)
 
     def close(self) -> None:
         """Release the KV cache's memory (the engine is unusable afterwards)."""

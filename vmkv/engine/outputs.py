@@ -201,6 +201,11 @@ class EngineStats:
             the graphs took (0 when eager: CPU, ``enforce_eager``, or a cache that cannot be captured).
         num_ahead_steps_total: steps launched before the previous step's tokens reached the host
             (``async_scheduling``).
+        reserved_unused_bytes: KV bytes of positions backed for running sequences that no scheduled
+            step has written yet (static reservation's reserved-but-unused memory,
+            ``Scheduler.reserved_unused_tokens`` x bytes per token; the cache's ``waste_bytes`` counts
+            only unit tails beyond the backed positions).
+        num_reservation_overruns: extensions of a reserved sequence past its reservation (always 0).
     """
 
     num_running: int
@@ -226,3 +231,5 @@ class EngineStats:
     cuda_graph_memory_bytes: int = 0
     num_ahead_steps_total: int = 0
     alloc_ahead_time_s_total: float = 0.0
+    reserved_unused_bytes: int = 0
+    num_reservation_overruns: int = 0

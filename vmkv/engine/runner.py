@@ -232,7 +232,7 @@ class ModelRunner:
         if owners:
             # n > 1: a parent forks after this step and parent and children then share the unit
             # they write: the schedule's extend makes it private (preempting if full), not this
-            self._extend_ahead([o.seq_id for o in dict.fromkeys(owners) if o.group.params.n == 1])
+            self._extend_ahead([o for o in dict.fromkeys(owners) if o.group.params.n == 1])
             if self.prefetch_tokens:
                 self._prefetch(list(dict.fromkeys(o.seq_id for o in owners)))
         if self.upcoming is not None and self.kv_cache.wants_admission_hints:
@@ -279,13 +279,17 @@ class ModelRunner:
             logger.warning("kv_cache.release_idle failed (memory stays held; ignored): %r", exc)
         self.release_time_s_total += time.perf_counter() - t0
 
-    def _extend_ahead(self, seq_ids: list[int]) -> None:
-        """``extend(seq_id, 1)`` for sequences about to sample: they write that position next step
-        unless they finish now (then ``free`` releases it with the rest).  A full cache or the end of
+    def _extend_ahead(self, seqs: list[Sequence]) -> None:
+        """``extend(seq_id, 1)`` for sequences about to sample whose next position is not backed yet
+        (a static reservation backs it already): they write that position next step unless they
+        finish now (then ``free`` releases it with the rest).  A full cache or the end of
         ``max_model_len`` is left to the scheduler (it preempts or finishes), so nothing raises."""
         kv = self.kv_cache
-        for seq_id in seq_ids:
+        for seq in seqs:
+            seq_id = seq.seq_id
             try:
+                if kv.seq_len(seq_id) > seq.num_computed_tokens:
+                    continue                   # backed (reserved at admission)
                 kv.extend(seq_id, 1)
             except KVCacheFullError:
                 return                     # full: the scheduler decides (preempts); the rest would fail too

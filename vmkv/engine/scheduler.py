@@ -16,6 +16,15 @@ SOSP'23, section 4.5) gets a token budget of ``max_num_batched_tokens``:
    is allocated only when all its tokens fit the step's remaining budget: nothing is allocated that
    the step cannot run, so each admission is one prefix-cache lookup (no allocate/free retries).
 
+Static reservation (``SchedulerConfig.kv_reservation`` other than ``"none"``,
+:mod:`vmkv.engine.reservation`, the Orca baselines): admission backs ``min(prompt + estimated output,
+max_model_len)`` positions at once (``allocate`` of the prompt, with its prefix-cache lookup, then one
+``extend`` to the reservation, undone if it does not fit), so a running sequence never extends and
+nothing is ever preempted; a request that does not fit waits at the head of the queue (FCFS, no
+overtaking).  A fork (``n > 1``) does not share the parent's reserved range (its unwritten tail would
+need copy-on-write memory later, which nothing set aside): the child waits at the front of the queue and
+is admitted with a reservation of its own, its prompt found in the prefix cache when that is on.
+
 Failure isolation: a KV call (allocate, extend, fork, free) that raises anything but
 ``KVCacheFullError`` fails only the sequence it was made for: the scheduler drops it (frees what it
 holds, best effort) and reports it in ``SchedulerOutput.failed``; the engine then fails its request.
@@ -36,6 +45,7 @@ from typing import Sequence as Seq
 
 from vmkv.engine.config import SchedulerConfig
 from vmkv.engine.errors import is_fatal_error
+from vmkv.engine.reservation import reserved_tokens
 from vmkv.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vmkv.kvcache.base import KVCache, KVCacheFullError
 
@@ -90,6 +100,10 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class _NotForked(Exception):
+    """A fork under static reservation: the child is admitted with its own reservation instead."""
+
+
 class TimedAllocator:
     """Forwards the cache's lifecycle calls and adds their wall time to ``time_s`` (seconds); the
     part made inside :meth:`overlapped` (scheduling a step ahead while the device runs the previous
@@ -127,6 +141,9 @@ class TimedAllocator:
     def extend(self, seq_id: int, num_tokens: int) -> None:
         self._timed(self.kv_cache.extend, seq_id, num_tokens)
 
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self._timed(self.kv_cache.can_allocate, num_tokens)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         self._timed(self.kv_cache.fork, parent_id, child_id)
 
@@ -148,6 +165,10 @@ class Scheduler:
         allocator: the KV cache's lifecycle calls (timed).
         max_model_len: positions per sequence.
         enable_prefix_caching: pass prompt token ids to ``allocate``.
+    Attributes:
+        reservation: ``config.kv_reservation`` (``"none"``: KV grows on demand).
+        num_reservation_overruns: extensions of a reserved sequence (0 unless the reservation was too
+            small: an internal error, logged).
     """
 
     def __init__(self, config: SchedulerConfig, allocator: TimedAllocator, max_model_len: int,
@@ -163,11 +184,29 @@ class Scheduler:
         self.num_cached_tokens_total = 0
         #: admissions deferred because memory could not be obtained right now (KVCacheFullError.transient)
         self.num_transient_full = 0
+        self.reservation = config.kv_reservation
+        self.num_reservation_overruns = 0
 
     # ------------------------------------------------------------------ queues
     def add(self, group: SequenceGroup) -> None:
         """Queue a new request's parent sequence."""
         self.waiting.append(group.parent)
+
+    @property
+    def reserves(self) -> bool:
+        """Does admission reserve every position a sequence can need (static reservation)?"""
+        return self.reservation != "none"
+
+    def reserved_len(self, seq: Sequence) -> int | None:
+        """Positions ``seq`` reserves at admission: ``min(prompt + estimate, max_model_len)``, never
+        below its current tokens; ``None`` without reservation."""
+        n = reserved_tokens(self.reservation, seq.prompt_len, seq.group.params.max_tokens, self.max_model_len)
+        return None if n is None else max(n, seq.num_tokens)
+
+    def reserved_unused_tokens(self) -> int:
+        """Backed positions of the running sequences that no scheduled step has written (under
+        reservation, the reserved-but-unused part; without it, at most the positions backed ahead)."""
+        return sum(max(0, self.alloc.seq_len(s.seq_id) - s.num_computed_tokens) for s in self.running)
 
     def num_reserved_seqs(self) -> int:
         """Running sequences plus the forks their requests will still make."""
@@ -233,11 +272,15 @@ class Scheduler:
 
         When the cache cannot take the fork (``KVCacheFullError``, e.g. no free vmem slot), the
         child waits at the front of the queue to recompute its prompt (prefix hits share it).
+        Under reservation nothing is forked: the child waits the same way and is admitted with a
+        reservation of its own (module docstring).
         Returns whether the fork succeeded.
         """
         try:
+            if self.reserves:
+                raise _NotForked("a reserved range is not shared; the child reserves its own KV")
             self.alloc.fork(parent.seq_id, child.seq_id)
-        except KVCacheFullError as e:
+        except (KVCacheFullError, _NotForked) as e:
             logger.debug("fork of seq %d into %d failed (%s); child will recompute",
                          parent.seq_id, child.seq_id, e)
             child.status = SequenceStatus.PREEMPTED
@@ -286,8 +329,9 @@ class Scheduler:
     def _fill(self, out: SchedulerOutput, budget: int, preempt: bool) -> None:
         """Decodes, then prompt chunks of the running sequences, then admissions, into ``out``
         (``preempt``: preempt the newest running sequences while the cache is full; otherwise
-        skip a sequence that cannot be backed)."""
+        skip a sequence that cannot be backed; never under reservation)."""
         chunked = self.config.enable_chunked_prefill
+        preempt = preempt and not self.reserves
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
@@ -317,6 +361,10 @@ class Scheduler:
         extra = needed_len - self.alloc.seq_len(seq.seq_id)
         if extra <= 0:
             return True
+        if self.reserves:
+            self.num_reservation_overruns += 1
+            logger.error("reserved seq %d of request %s needs %d positions past its reservation",
+                         seq.seq_id, seq.group.request_id, extra)
         try:
             self.alloc.extend(seq.seq_id, extra)
             return True
@@ -373,8 +421,11 @@ class Scheduler:
             if not chunked and num_tokens > budget:
                 break       # the step cannot run it: do not allocate (nor count a prefix lookup)
             token_ids = seq.all_token_ids() if self.enable_prefix_caching else None
+            reserve = self.reserved_len(seq)
+            if reserve is not None and (self.running or out.scheduled) and not self.alloc.can_allocate(reserve):
+                break       # FCFS: the head waits for its whole reservation (no lookup, no retry)
             try:
-                num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids, group.cache_salt)
+                num_cached = self._allocate(seq, num_tokens, token_ids, reserve)
             except KVCacheFullError as e:
                 if e.transient:     # memory held elsewhere right now: wait, retry next step
                     self.num_transient_full += 1
@@ -400,3 +451,16 @@ class Scheduler:
                 group.num_cached_tokens = num_cached
             self._take(seq, num_new, out)
             budget -= num_new
+
+    def _allocate(self, seq: Sequence, num_tokens: int, token_ids, reserve: int | None) -> int:
+        """Allocate ``seq``'s ``num_tokens`` positions (prefix lookup with ``token_ids``), then extend
+        it to ``reserve`` positions when reserving; a reservation that does not fit is undone and its
+        ``KVCacheFullError`` raised.  Returns the prompt tokens found in the prefix cache."""
+        num_cached = self.alloc.allocate(seq.seq_id, num_tokens, token_ids, seq.group.cache_salt)
+        if reserve is not None and reserve > num_tokens:
+            try:
+                self.alloc.extend(seq.seq_id, reserve - num_tokens)
+            except KVCacheFullError:
+                self.alloc.free(seq.seq_id, written=False)
+                raise
+        return num_cached

@@ -332,3 +332,24 @@ def test_compare_engine_runs_every_design_in_one_invocation(tmp_path):
     assert runs["paged+max"]["memory"]["peak_allocated_bytes"] >= 256 * runs["paged"]["kv_bytes_per_token"]
     summary = (out / "summary.md").read_text()
     assert "paged+max" in summary and "vmem+oracle" in summary and "reserved unused %" in summary
+
+
+def test_vmem_admission_hint_is_the_reservation(tiny):
+    """vmem maps an upcoming admission's pages while the forward runs (``prefetch_admission``): under
+    reservation the hint is the reserved length, so the reservation's pages are mapped off the step's
+    critical path too."""
+    prompts = random_prompts(len(tiny["tokenizer"]), [10, 12, 8, 9], seed=9)
+    engine = make_engine(tiny, "vmem", kv_reservation="max", memory_bytes=128 * BYTES_PER_TOKEN, max_model_len=64)
+    seen = []
+    real = engine.kv_cache.prefetch_admission
+
+    def record(num_tokens, token_ids=None, extra_keys=None):
+        seen.extend(num_tokens)
+        real(num_tokens, token_ids, extra_keys)
+
+    engine.kv_cache.prefetch_admission = record
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, greedy(10), prompt_token_ids=p)
+    run_all(engine)
+    assert seen and set(seen) == {64}
+    engine.close()

@@ -91,6 +91,8 @@ class ModelRunner:
         upcoming: ``() -> waiting sequences`` the next step admits first (the scheduler's
             ``upcoming_admissions``); their lengths, token ids and cache salts go to
             ``kv_cache.prefetch_admission`` while the forward runs.
+        admission_len: ``(sequence) -> positions its admission backs`` (the scheduler's
+            ``admission_len``: a static reservation's length); ``None``: its tokens.
         eos_token_ids: the model's EOS ids, never sampled before a request's ``min_tokens``.
 
     Attributes:
@@ -106,7 +108,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  prefetch_tokens: int = 0, cuda_graphs=None, upcoming=None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), admission_len=None) -> None:
         if isinstance(prefetch_tokens, bool) or not isinstance(prefetch_tokens, int) or prefetch_tokens < 0:
             raise ValueError(f"prefetch_tokens must be an int >= 0, got {prefetch_tokens!r}")
         self.model = model
@@ -120,6 +122,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.num_graph_steps = 0
         self.upcoming = upcoming
+        self._admission_len = admission_len or (lambda seq: seq.num_tokens)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._turn = 0
@@ -305,7 +308,7 @@ class ModelRunner:
             if seq_ids is None:
                 seqs = self.upcoming()
                 if seqs:
-                    self.kv_cache.prefetch_admission([q.num_tokens for q in seqs],
+                    self.kv_cache.prefetch_admission([self._admission_len(q) for q in seqs],
                                                      [q.all_token_ids() for q in seqs],
                                                      [q.group.cache_salt for q in seqs])
             else:

@@ -203,6 +203,12 @@ class Scheduler:
         n = reserved_tokens(self.reservation, seq.prompt_len, seq.group.params.max_tokens, self.max_model_len)
         return None if n is None else max(n, seq.num_tokens)
 
+    def admission_len(self, seq: Sequence) -> int:
+        """Positions admitting ``seq`` backs: its reservation, or its tokens without one (the hint
+        ``kv_cache.prefetch_admission`` gets, so vmem maps a reservation's pages off the critical path)."""
+        n = self.reserved_len(seq)
+        return seq.num_tokens if n is None else n
+
     def reserved_unused_tokens(self) -> int:
         """Backed positions of the running sequences that no scheduled step has written (under
         reservation, the reserved-but-unused part; without it, at most the positions backed ahead)."""

@@ -183,7 +183,7 @@ class RunningServer:
     def call(self, fn, *args: Any, timeout_s: float = 30.0) -> Any:
         """``fn(engine, *args)`` run in the engine core process (``AsyncEngine.call``)."""
         ae = self.async_engine
-        return asyncio.run_coroutine_threadsafe(ae.call(fn, *args), ae._loop).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(ae.call(fn, *args), ae.loop).result(timeout_s)
 
     @contextlib.contextmanager
     def slowed(self, step_delay_s: float):

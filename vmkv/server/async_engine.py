@@ -6,13 +6,12 @@ Two processes, as vLLM v1 and SGLang run a server (``DESIGN.md``, "Server"):
 - the **engine core** (:mod:`vmkv.server.engine_core`): scheduler, KV cache, model runner, TP workers;
   it steps the engine and sends one message per step with every request's new token ids;
 - the **front** (this process): HTTP, tokenization and validation (the engine's own
-  :class:`~vmkv.engine.input_processor.InputProcessor`, built from the tokenizer and model config the core
-  sends once it is ready), detokenization and stop strings (:mod:`vmkv.server.output_processor`), SSE.
+  :class:`~vmkv.engine.input_processor.InputProcessor`, built from the tokenizer and vocabulary size the
+  core sends once it is ready), detokenization and stop strings (:mod:`vmkv.server.output_processor`), SSE.
 
-Threads of the front: the asyncio loop does everything that touches request state; one receiver thread
-(``vmkv-core-output``) blocks on the core's socket and on the core's process sentinel, decodes each
-message and hands it to the loop with one ``call_soon_threadsafe`` per message.  Messages to the core are
-sent from the loop's thread only (ZMQ sockets are not thread-safe).
+Threads of the front: the asyncio loop does everything that touches request state; the process, its
+sockets and the receiver thread that hands each message from the core to the loop are
+:class:`~vmkv.server.core_client.CoreClient`'s.
 
 Lifecycle: :meth:`AsyncEngine.start_core` (blocking, before the event loop: the model loads, and a bad
 option fails the server before it listens), then :meth:`AsyncEngine.start` inside the loop,
@@ -35,23 +34,16 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import os
 import pickle
-import shutil
-import signal
-import tempfile
-import threading
 import time
 import types
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
-
-import zmq
 
 from vmkv.engine.errors import InvalidRequestError, RequestFailedError
 from vmkv.engine.outputs import merge_outputs
 from vmkv.engine.sampling_params import RequestOutputKind
 from vmkv.server import core_protocol as proto
+from vmkv.server.core_client import CoreClient, EngineStartupError, exit_text
 from vmkv.server.output_processor import RequestState
 
 if TYPE_CHECKING:
@@ -81,18 +73,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineShutdownError(RuntimeError):
     """The :class:`AsyncEngine` was shut down (or never started); no new requests are accepted."""
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core could not build the engine.
-
-    Attributes:
-        kind: ``"config"`` (a bad option: the message says which) or ``"error"``.
-    """
-
-    def __init__(self, message: str, kind: str = "error") -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 class RequestStream:
@@ -195,21 +175,15 @@ class AsyncEngine:
         self.log_level = log_level
         self.torch_threads = torch_threads
         self.startup_timeout_s = float(startup_timeout_s)
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._ctx: zmq.Context | None = None
-        self._to_core: zmq.Socket | None = None
-        self._from_core: zmq.Socket | None = None
-        self._ipc_dir: str | None = None
+        self._core = CoreClient(self.engine_kwargs, engine_factory, log_level, torch_threads)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._receiver: threading.Thread | None = None
-        self._wake_r = self._wake_w = -1
+        self._receiving = False
         self._requests: dict[str, tuple[RequestState, RequestStream]] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
         self._stopped = False
         self._shutdown_task: asyncio.Future | None = None
-        self._reap_lock = threading.Lock()
         self._dead: BaseException | None = None
         self.model_name = "model"
         self.max_model_len = 0
@@ -225,27 +199,8 @@ class AsyncEngine:
     def spawn_core(self) -> None:
         """Start the core process without waiting for it (idempotent); :meth:`start_core` waits.  Call
         it first so that the model loads while this process imports the HTTP stack."""
-        if self._proc is not None:
-            return
-        from vmkv.server.engine_core import run_engine_core
-
-        self._ipc_dir = tempfile.mkdtemp(prefix="vmkv-core-")   # mode 0700: this user's only
-        to_addr = f"ipc://{self._ipc_dir}/to_core"
-        from_addr = f"ipc://{self._ipc_dir}/from_core"
-        self._ctx = zmq.Context()
-        self._to_core = self._ctx.socket(zmq.PUSH)
-        self._to_core.setsockopt(zmq.SNDHWM, 0)
-        self._to_core.setsockopt(zmq.LINGER, 0)
-        self._to_core.bind(to_addr)
-        self._from_core = self._ctx.socket(zmq.PULL)
-        self._from_core.setsockopt(zmq.RCVHWM, 0)
-        self._from_core.bind(from_addr)
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=run_engine_core, name="vmkv-engine-core", daemon=False,
-                                args=(self.engine_kwargs, to_addr, from_addr, os.getpid(), self.engine_factory,
-                                      self.log_level, self.torch_threads))
-        self._proc.start()
-        self.core_pid = self._proc.pid
+        self._core.spawn()
+        self.core_pid = self._core.pid
 
     def start_core(self) -> None:
         """Start the core process and wait until its engine is built (blocking; idempotent).
@@ -265,13 +220,7 @@ class AsyncEngine:
         except ImportError:
             pass
 
-        try:
-            ready = self._wait_ready()
-        except BaseException:
-            self._kill_core()
-            self._close_sockets()
-            raise
-        info = pickle.loads(ready.info)
+        info = self._core.wait_ready(self.startup_timeout_s)
         self.model_name = str(info["model_name"])
         self.max_model_len = int(info["max_model_len"])
         self.max_num_seqs = int(info["max_num_seqs"])
@@ -283,31 +232,14 @@ class AsyncEngine:
                                         self.max_model_len, max_num_seqs=self.max_num_seqs,
                                         model_name=self.model_name)
 
-    def _wait_ready(self) -> Any:
-        poller = zmq.Poller()
-        poller.register(self._from_core, zmq.POLLIN)
-        poller.register(self._proc.sentinel, zmq.POLLIN)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise EngineStartupError(f"the engine core did not start within {self.startup_timeout_s:g} s")
-            events = dict(poller.poll(min(left, 1.0) * 1000))
-            if self._from_core in events:
-                msg = proto.from_core_decoder.decode(self._from_core.recv())
-                if isinstance(msg, proto.Ready):
-                    return msg
-                if isinstance(msg, proto.StartupFailed):
-                    raise EngineStartupError(msg.message, msg.kind)
-                continue
-            if self._proc.sentinel in events or not self._core_alive():
-                self._join_core(1)
-                raise EngineStartupError(f"the engine core process exited while starting "
-                                         f"({_exit_text(self._proc.exitcode)})")
-
     @property
     def is_running(self) -> bool:
-        return self._receiver is not None and self._dead is None and not self._stopping and not self._stopped
+        return self._receiving and self._dead is None and not self._stopping and not self._stopped
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop :meth:`start` ran on (outputs are delivered there); None before."""
+        return self._loop
 
     @property
     def error(self) -> BaseException | None:
@@ -316,18 +248,17 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Start receiving outputs on the running event loop (starts the core first if needed)."""
-        if self._receiver is not None:
+        if self._receiving:
             return
         self.start_core()
         self._loop = asyncio.get_running_loop()
-        self._wake_r, self._wake_w = os.pipe()
-        self._receiver = threading.Thread(target=self._receive, name="vmkv-core-output", daemon=True)
-        self._receiver.start()
+        self._core.start_receiver(self._loop, self._on_message, self._on_core_exit)
+        self._receiving = True
 
     async def shutdown(self, timeout_s: float = CORE_STOP_TIMEOUT_S) -> None:
         """End every open request (:class:`EngineShutdownError`), stop the core (Shutdown message, then
         SIGKILL after ``timeout_s``) and wait for it.  Idempotent: a second call waits for the first."""
-        if self._proc is None or self._stopped:
+        if self._core.proc is None or self._stopped:
             return
         if self._shutdown_task is None:
             self._shutdown_task = asyncio.ensure_future(self._shutdown(timeout_s))
@@ -341,78 +272,28 @@ class AsyncEngine:
         self._fail_calls(EngineShutdownError("engine shut down"))
         if self._dead is None:
             self._send(proto.Shutdown())
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_core, timeout_s)
+        await asyncio.get_running_loop().run_in_executor(None, self._core.stop, timeout_s)
         self._stopped = True
-
-    def _join_core(self, timeout_s: float) -> None:
-        """``Process.join`` under a lock: the receiver thread and the shutdown both wait for the core,
-        and two threads reaping one child race (the loser's ``waitpid`` fails, and ``multiprocessing``
-        then reports a dead process as alive)."""
-        with self._reap_lock:
-            self._proc.join(timeout_s)
-
-    def _core_alive(self) -> bool:
-        with self._reap_lock:
-            return self._proc.is_alive()
-
-    def _stop_core(self, timeout_s: float) -> None:
-        self._join_core(timeout_s)
-        if self._core_alive():
-            logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)
-            self._kill_core()
-        if self._wake_w >= 0:
-            os.write(self._wake_w, b"x")          # the receiver thread stops
-        if self._receiver is not None:
-            self._receiver.join(5)
-        self._close_sockets()
-
-    def _kill_core(self, timeout_s: float = 5.0) -> None:
-        """SIGKILL the core (it ignores SIGTERM and SIGINT: this process decides when it stops)."""
-        if self._proc is None or not self._core_alive():
-            return
-        self._proc.kill()
-        self._join_core(timeout_s)
-
-    def _close_sockets(self) -> None:
-        for sock in (self._to_core, self._from_core):
-            if sock is not None:
-                sock.close(linger=0)
-        self._to_core = self._from_core = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            self._ipc_dir = None
 
     def close_sync(self) -> None:
         """Stop the core without an event loop (after the loop ended, or when it never ran)."""
-        if self._proc is None or self._stopped or self._shutdown_task is not None:
+        if self._core.proc is None or self._stopped or self._shutdown_task is not None:
             return
-        if self._dead is None and self._to_core is not None:
+        if self._dead is None:
             self._send(proto.Shutdown())
-        self._stop_core(CORE_STOP_TIMEOUT_S)
+        self._core.stop(CORE_STOP_TIMEOUT_S)
         self._stopped = True
 
     # ------------------------------------------------------------------ sending
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine core failed: {self._dead}") from self._dead
-        if self._receiver is None or self._stopping or self._stopped:
+        if not self._receiving or self._stopping or self._stopped:
             raise EngineShutdownError("the engine is not running (shut down or not started)")
 
     def _send(self, msg: Any) -> None:
         """Send one message to the core (event loop thread only)."""
-        if self._to_core is None:
-            return
-        try:
-            self._to_core.send(proto.encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("could not send %s to the engine core: %s", type(msg).__name__, exc)
+        self._core.send(msg)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(engine, *args)`` in the core between two steps and return its result.  ``fn`` and
@@ -510,33 +391,7 @@ class AsyncEngine:
         """``engine.get_stats()`` read in the core (a consistent snapshot between two steps)."""
         return await self.call(_get_stats)
 
-    # ------------------------------------------------------------------ receiving
-    def _receive(self) -> None:
-        """Receiver thread: wait on the core's socket, its process sentinel and the wake-up pipe."""
-        poller = zmq.Poller()
-        poller.register(self._from_core, zmq.POLLIN)
-        poller.register(self._proc.sentinel, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        loop = self._loop
-        while True:
-            events = dict(poller.poll())
-            if self._wake_r in events:
-                return
-            if self._from_core in events:
-                while True:
-                    try:
-                        frame = self._from_core.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    msg = proto.from_core_decoder.decode(frame.buffer)
-                    if not _post(loop, self._on_message, msg):
-                        return
-                continue
-            if self._proc.sentinel in events:
-                self._join_core(1)
-                _post(loop, self._on_core_exit, self._proc.exitcode)
-                return
-
+    # ------------------------------------------------------------------ receiving (event loop)
     def _on_message(self, msg: Any) -> None:
         if isinstance(msg, proto.StepOutputs):
             self._on_outputs(msg.outputs)
@@ -585,7 +440,7 @@ class AsyncEngine:
     def _on_core_exit(self, exitcode: int | None) -> None:
         if self._stopping or self._stopped:
             return
-        self._die(EngineDeadError(f"the engine core process exited unexpectedly ({_exit_text(exitcode)})"))
+        self._die(EngineDeadError(f"the engine core process exited unexpectedly ({exit_text(exitcode)})"))
 
     def _die(self, err: EngineDeadError) -> None:
         if self._dead is not None:
@@ -606,23 +461,3 @@ class AsyncEngine:
 
 def _get_stats(engine: Any) -> Any:
     return engine.get_stats()
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
-    """``loop.call_soon_threadsafe(fn, *args)``; False when the loop is closed."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-        return True
-    except RuntimeError:
-        return False
-
-
-def _exit_text(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit status {exitcode}"

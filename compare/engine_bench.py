@@ -8,6 +8,12 @@ in the same invocation, or read from ``--reference results.json``).  Backends al
 scenario so drift hits both alike.  Output: rich tables (absolute figures and vmem/paged ratios),
 ``results.json`` (environment, arguments, every run's summary), ``raw/<scenario>-<backend>.json``
 (every request's token times and every step's KV sample), ``summary.md`` and PNG plots.
+
+With finite rates the comparison is an online sweep (``results["sweep"]``, :func:`engine_report.sweep`):
+per design and rate the normalized latency (the PagedAttention paper's Fig. 12), TTFT/TPOT p50/p99,
+goodput and SLO attainment, the highest rate each design sustains within ``--slo`` and its ratio to
+``--reference-design``; plots of normalized latency vs rate, batch size over time (Fig. 13) and the KV
+memory breakdown over time (Fig. 2) per design.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vmkv.compare import report
+from vmkv.compare.metrics import NORM_LATENCY_BOUND_FACTOR, SLO_ATTAINMENT_MIN
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.worker_proc import run_worker_process
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate, trace_note, trace_rows
@@ -77,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "full token budget): activation memory and GEMM configurations at that size are "
                         "paid before the measured run")
     w.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft:1000,tpot:100")
+    w.add_argument("--slo-attainment", type=float, default=SLO_ATTAINMENT_MIN,
+                   help="an online sweep's sustained rate: the highest swept rate (every lower one too) at which "
+                        "at least this fraction of the requests meets --slo and the normalized latency stays "
+                        f"within {NORM_LATENCY_BOUND_FACTOR:g}x the design's lowest (default {SLO_ATTAINMENT_MIN})")
+    w.add_argument("--reference-design", default=None, metavar="DESIGN",
+                   help="the design the sweep's sustained rates are divided by (default: the first +max design, "
+                        "e.g. paged+max, else the first design)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -315,6 +329,13 @@ def run(args) -> int:
         console.print(f"[red]error:[/red] {exc}")
         return 2
     backends, base_spec, max_model_len = p.backends, p.base_spec, p.max_model_len
+    try:
+        engine_report.reference_design(backends, args.reference_design)
+        if not 0 < args.slo_attainment <= 1:
+            raise ValueError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
     if p.note:
         console.print(p.note)
     out_dir = Path(args.out or f"vmkv-results/engine-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
@@ -339,7 +360,8 @@ def run(args) -> int:
                     console.print(f"[red]{cfg['scenario']}-{backend} failed:[/red] {res['error']}")
     summary_runs = [{k: v for k, v in r.items() if k != "raw"} for r in runs]
     results = {"kind": "engine", "environment": env, "args": vars(args), "max_model_len": max_model_len,
-               "workload": base_spec.to_dict(), "runs": summary_runs}
+               "workload": base_spec.to_dict(), "runs": summary_runs,
+               "sweep": engine_report.sweep(runs, args.slo, args.reference_design, args.slo_attainment)}
     report.write_json(out_dir / "results.json", results)
     engine_report.render(results, runs, out_dir, console)
     return 1 if any("error" in r for r in runs) else 0

@@ -6,9 +6,11 @@ import math
 from pathlib import Path
 
 from vmkv.compare import report
-from vmkv.compare.metrics import inter_token_latencies
+from vmkv.compare.metrics import (NORM_LATENCY_BOUND_FACTOR, SLO, SLO_ATTAINMENT_MIN, WARMUP_FRACTION, RequestRecord,
+                                  inter_token_latencies, sustained_rate, sweep_point)
 
-__all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows", "memory_series"]
+__all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows", "memory_series", "records_from_raw",
+           "sweep", "reference_design", "sweep_rows", "sustained_rows", "breakdown_rows"]
 
 SERVING_COLUMNS = ["scenario", "backend", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                    "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput"]
@@ -166,6 +168,162 @@ def _plots(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
+def records_from_raw(raw_requests: list[dict]) -> list[RequestRecord]:
+    """The :class:`RequestRecord` of every raw request (``raw["requests"]``; times since the run's start)."""
+    return [RequestRecord(request_id=q["id"], prompt_len=q["prompt_len"], output_len=q["output_len"],
+                          arrival_time=q["arrival_s"], first_token_time=q["first_token_s"], finish_time=q["finish_s"],
+                          token_times=list(q.get("token_times_s") or []), num_output_tokens=q.get("num_output_tokens"),
+                          success=q["success"], error=q.get("error", "")) for q in raw_requests]
+
+
+def reference_design(designs: list[str], requested: str | None = None) -> str | None:
+    """The design sustained rates are compared with: ``requested`` (``--reference-design``), else the
+    first static Max design (``paged+max``: the paper's Orca (Max) baseline), else the first design.
+
+    Raises:
+        ValueError: ``requested`` is not among ``designs``.
+    """
+    if requested:
+        if requested not in designs:
+            raise ValueError(f"--reference-design {requested!r} is not among the designs run: {designs}")
+        return requested
+    return next((d for d in designs if d.endswith("+max")), designs[0] if designs else None)
+
+
+def _rate(r: dict) -> float:
+    rate = r["config"]["workload"]["request_rate"]
+    return math.inf if rate in ("inf", None) else float(rate)
+
+
+def sweep(runs: list[dict], slo_text: str | None, reference: str | None = None,
+          attainment_min: float = SLO_ATTAINMENT_MIN, warmup_fraction: float = WARMUP_FRACTION) -> dict | None:
+    """The online sweep of a comparison (``results["sweep"]``), from the finite-rate runs that carry raw
+    requests; None without one.  Per design (run order), ``points``: one
+    :func:`vmkv.compare.metrics.sweep_point` per rate (the first ``warmup_fraction`` of requests by
+    arrival dropped) plus ``scenario``, ``goodput`` (req/s meeting the SLO over the whole run, as in
+    ``serving``), ``goodput_per_offered`` (goodput / rate), ``request_throughput``,
+    ``output_throughput``, ``batch_mean`` / ``batch_max`` (sequences in the running batch over the
+    steps); ``sustained_rate`` and ``passes`` (:func:`vmkv.compare.metrics.sustained_rate`), and
+    ``sustained_vs_reference``: its sustained rate / the reference design's (None when either is None)."""
+    online = [r for r in runs if "raw" in r and "serving" in r and math.isfinite(_rate(r))]
+    if not online:
+        return None
+    slo = SLO.parse(slo_text)
+    out_designs: dict[str, dict] = {}
+    for r in online:
+        pt = sweep_point(records_from_raw(r["raw"]["requests"]), _rate(r), slo, warmup_fraction)
+        s = r["serving"]
+        steps = r["raw"].get("steps") or {}
+        batch = steps.get("num_running_seqs") or steps.get("num_running") or []
+        pt.update(scenario=r["scenario"], goodput=s.get("goodput"),
+                  goodput_per_offered=(s["goodput"] / pt["rate"]) if s.get("goodput") is not None else None,
+                  request_throughput=s["request_throughput"], output_throughput=s["output_throughput"],
+                  batch_mean=(sum(batch) / len(batch)) if batch else 0.0, batch_max=max(batch, default=0))
+        out_designs.setdefault(r["backend"], {"points": []})["points"].append(pt)
+    ref = reference_design(list(out_designs), reference)
+    for d in out_designs.values():
+        d["points"].sort(key=lambda p: p["rate"])
+        d.update(sustained_rate(d["points"], attainment_min, NORM_LATENCY_BOUND_FACTOR))
+    ref_rate = out_designs[ref]["sustained_rate"] if ref else None
+    for d in out_designs.values():
+        d["sustained_vs_reference"] = (d["sustained_rate"] / ref_rate if d["sustained_rate"] is not None
+                                       and ref_rate else None)
+    return {"warmup_fraction": warmup_fraction, "slo": slo_text, "reference_design": ref,
+            "rule": {"slo_attainment_min": attainment_min if slo.is_set else None,
+                     "norm_latency_bound_factor": NORM_LATENCY_BOUND_FACTOR,
+                     "text": SUSTAINED_RULE_TEXT.format(att=attainment_min, k=NORM_LATENCY_BOUND_FACTOR,
+                                                        w=int(round(100 * warmup_fraction)))
+                     + ("" if slo.is_set else " No SLO was given (--slo): the latency bound alone decides.")},
+            "designs": out_designs}
+
+
+SUSTAINED_RULE_TEXT = ("A swept rate is sustained when (a) at least {att:g} of its measured requests meet every "
+                       "--slo objective (SLO attainment: goodput >= {att:g} x the offered requests, counted per "
+                       "request so the run's drain does not count against it) and (b) its normalized latency "
+                       "(mean of end-to-end latency / output tokens) is at most {k:g} x the design's lowest in "
+                       "the sweep (it stays bounded rather than growing with the queue); a design's sustained "
+                       "rate is the highest swept rate that passes with every lower swept rate passing too. "
+                       "Measured requests: all but the first {w}% by arrival.")
+
+SUSTAINED_COLUMNS = ["design", "sustained req/s", "x reference", "rates swept", "first failing rate"]
+SWEEP_COLUMNS = ["design", "rate", "norm lat ms/tok", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput",
+                 "goodput/rate", "SLO met %", "batch mean", "ok"]
+BREAKDOWN_COLUMNS = ["scenario", "design", "created mean", "token %", "reserved unused %", "tail %", "idle %",
+                     "in use: token %", "in use: reserved %", "in use: tail %"]
+
+
+def sustained_rows(sw: dict | None) -> list[list[str]]:
+    """The table a user reads first: per design, the rate it sustains and its ratio to the reference."""
+    if not sw:
+        return []
+    rows = []
+    for name, d in sw["designs"].items():
+        fail = next((p for p in d["passes"] if not p["passed"]), None)
+        rows.append([name + (" (reference)" if name == sw["reference_design"] else ""),
+                     "none" if d["sustained_rate"] is None else _f(d["sustained_rate"]),
+                     "-" if d["sustained_vs_reference"] is None else f"{d['sustained_vs_reference']:.2f}x",
+                     ", ".join(_f(p["rate"]) for p in d["points"]),
+                     "-" if fail is None else f"{_f(fail['rate'])}: {fail['why']}"])
+    return rows
+
+
+def sweep_rows(sw: dict | None) -> list[list[str]]:
+    if not sw:
+        return []
+    rows = []
+    for name, d in sw["designs"].items():
+        ok = {p["rate"]: p["passed"] for p in d["passes"]}
+        for p in d["points"]:
+            nl = p["normalized_latency_s"]
+            rows.append([name, _f(p["rate"]), "-" if nl is None or math.isnan(nl) else _f(1e3 * nl, 2),
+                         _f(p["ttft_ms"]["p50"], 1), _f(p["ttft_ms"]["p99"], 1), _f(p["tpot_ms"]["p50"], 2),
+                         _f(p["tpot_ms"]["p99"], 2), "-" if p["goodput"] is None else _f(p["goodput"]),
+                         "-" if p["goodput_per_offered"] is None else _f(p["goodput_per_offered"]),
+                         "-" if p["slo_attainment"] is None else _f(100 * p["slo_attainment"], 1),
+                         _f(p["batch_mean"], 1), "yes" if ok.get(p["rate"]) else "no"])
+    return rows
+
+
+def breakdown_rows(runs: list[dict]) -> list[list[str]]:
+    """The memory breakdown of every run (``memory["breakdown"]``): shares of the created bytes and of
+    the in-use bytes, summed over the steps."""
+    rows = []
+    for r in _ok(runs):
+        b = r["memory"].get("breakdown")
+        if not b:
+            continue
+        rows.append([r["scenario"], r["backend"], report.fmt_size(b["created_bytes_mean"], 1)]
+                    + [_f(b[f"{k}_pct"], 1) for k in ("token", "reserved_unused", "tail", "idle")]
+                    + [_f(b[f"in_use_{k}_pct"], 1) for k in ("token", "reserved_unused", "tail")])
+    return rows
+
+
+def _sweep_plots(runs: list[dict], sw: dict | None, out_dir: Path, title: str) -> list[Path]:
+    """``normalized_latency_vs_rate.png`` (Fig. 12), and per scenario ``batch_size_<scenario>.png``
+    (Fig. 13 over time) and ``kv_breakdown_<scenario>.png`` (Fig. 2 over time, a panel per design)."""
+    paths = []
+    if sw:
+        pts = {name: [(p["rate"], p["normalized_latency_s"]) for p in d["points"]] for name, d in sw["designs"].items()}
+        paths.append(report.plot_normalized_latency_vs_rate(
+            pts, out_dir / "normalized_latency_vs_rate.png", f"normalized latency vs rate; {title}",
+            {name: d["sustained_rate"] for name, d in sw["designs"].items()}))
+    ok = [r for r in runs if "raw" in r and "serving" in r]
+    for scenario in dict.fromkeys(r["scenario"] for r in ok):
+        group = [r for r in ok if r["scenario"] == scenario]
+        labels = [r["backend"] if [g["backend"] for g in group].count(r["backend"]) == 1 else f"{r['backend']}#{i}"
+                  for i, r in enumerate(group)]
+        batch = {}
+        for lb, r in zip(labels, group):
+            st = r["raw"]["steps"]
+            batch[lb] = (st["t_s"], st.get("num_running_seqs") or st["num_running"])
+        paths.append(report.plot_batch_size(batch, out_dir / f"batch_size_{scenario}.png",
+                                            f"batch size over time; {title}; {scenario}"))
+        paths.append(report.plot_memory_breakdown(
+            {lb: {**r["raw"]["steps"], "capacity_bytes": r["memory"]["capacity_bytes"]} for lb, r in zip(labels, group)},
+            out_dir / f"kv_breakdown_{scenario}.png", f"KV memory breakdown; {title}; {scenario}"))
+    return paths
+
+
 def _describe(results: dict, runs: list[dict]) -> str:
     ok = _ok(runs)
     w = results["workload"]
@@ -184,8 +342,16 @@ def _describe(results: dict, runs: list[dict]) -> str:
 def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
     """Print the tables, write ``summary.md`` and the plots into ``out_dir``."""
     desc = _describe(results, runs)
-    tables = [("Serving (latencies in ms)", SERVING_COLUMNS, serving_rows(runs)),
+    sw = results.get("sweep")
+    first = []
+    if sw:
+        first = [(f"Sustained request rate within the SLO ({sw['slo'] or 'no SLO'}; reference "
+                  f"{sw['reference_design']})", SUSTAINED_COLUMNS, sustained_rows(sw)),
+                 (f"Online sweep (first {int(round(100 * sw['warmup_fraction']))}% of requests by arrival dropped; "
+                  "latencies in ms; goodput req/s)", SWEEP_COLUMNS, sweep_rows(sw))]
+    tables = first + [("Serving (latencies in ms)", SERVING_COLUMNS, serving_rows(runs)),
               ("KV memory and allocation", MEMORY_COLUMNS, memory_rows(runs)),
+              ("KV memory breakdown (shares summed over the steps)", BREAKDOWN_COLUMNS, breakdown_rows(runs)),
               ("Ratios (lower is better for latency, higher for throughput)", RATIO_COLUMNS, ratio_rows(runs))]
     console.print(desc)
     for title, cols, rows in tables:   # split to the console's width: a cut cell ("8.0M/…") says nothing
@@ -195,6 +361,7 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
     plots = []
     try:
         plots = _plots(runs, out_dir, _describe_short(runs))
+        plots += _sweep_plots(runs, sw, out_dir, _describe_short(runs))
     except Exception as exc:  # plots are a convenience; never lose the JSON over them
         console.print(f"[yellow]plotting failed: {exc}[/yellow]")
     env = results["environment"]
@@ -216,6 +383,18 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
            "peak = device memory in use (CUDA: total - free; CPU: process RSS). Plot `kv_memory_<scenario>.png`: KV "
            "memory over time (created, mapped, in use, idle per backend) next to device memory in use. Raw samples: "
            "`raw/*.json`.", ""]
+    if sw:
+        md += ["Sweep definitions: normalized latency = mean over the measured requests of end-to-end latency / "
+               "output tokens (the PagedAttention paper's Fig. 12, ms per token here, s per token in the plot and "
+               "JSON); SLO met % = measured requests meeting every --slo objective; goodput = requests meeting "
+               "the SLO per second of the whole run; batch mean = sequences in the running batch averaged over "
+               "steps. " + sw["rule"]["text"], ""]
+    md += ["Memory breakdown (the paper's Fig. 2): token states (written K/V of live sequences) + reserved "
+           "unused (backed, not written yet: a static reservation's waste) + tail (block or page tails past the "
+           "backed positions) + idle (created, backing no live sequence: paged's free blocks, vmem's kept pages) "
+           "= created; plot `kv_breakdown_<scenario>.png`, raw per step in `raw/*.json` (`token_bytes`, "
+           "`reserved_unused_bytes`, `waste_bytes`, `idle_bytes`). Plot `batch_size_<scenario>.png`: sequences "
+           "in the running batch per step (Fig. 13).", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out_dir / "summary.md").write_text("\n".join(md) + "\n")
     console.print(f"wrote {out_dir}/results.json, summary.md, raw/, {len(plots)} plots")

@@ -30,7 +30,7 @@ from vmkv.compare.metrics import SLO, RequestRecord, compute_serving_metrics, su
 from vmkv.compare.worker_proc import worker_main
 from vmkv.compare.workloads import Request, WorkloadSpec, fingerprint, generate
 
-from vmkv.engine.kv_memory import created_bytes, device_memory_used_bytes
+from vmkv.engine.kv_memory import created_bytes, device_memory_used_bytes, kv_breakdown
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,16 @@ logger = logging.getLogger(__name__)
 #: start; ``created_bytes`` / ``mapped_bytes`` / ``in_use_bytes`` / ``idle_bytes``: physical KV memory
 #: that exists / is mapped / is claimed by live sequences (= ``allocated_bytes``) / exists but backs no
 #: live sequence; ``device_used_bytes``: device memory in use (CUDA: total - free; CPU: process RSS).
+#: The memory breakdown (the paper's Fig. 2, :func:`vmkv.engine.kv_memory.kv_breakdown`): ``token_bytes``
+#: + ``reserved_unused_bytes`` + ``waste_bytes`` (block or page tails) + ``idle_bytes`` = ``created_bytes``
+#: (``reserved_unused_bytes`` and ``waste_bytes`` as the breakdown clamps them).  ``num_running_seqs``:
+#: sequences in the running batch (the batch size, Fig. 13).
 STEP_COLUMNS = ("t_s", "step_s", "alloc_s", "num_running", "num_waiting", "num_seqs", "used_tokens",
                 "allocated_bytes", "mapped_bytes", "waste_bytes", "free_tokens", "created_bytes", "in_use_bytes",
-                "idle_bytes", "device_used_bytes", "reserved_unused_bytes")
+                "idle_bytes", "device_used_bytes", "reserved_unused_bytes", "token_bytes", "num_running_seqs")
+
+#: the parts of the memory breakdown among :data:`STEP_COLUMNS`, bottom of the stack first
+BREAKDOWN_COLUMNS = ("token_bytes", "reserved_unused_bytes", "waste_bytes", "idle_bytes")
 
 #: columns sampled while the engine waits for the next arrival (online runs; ``idle_memory`` in the raw
 #: output, at most every ``STATS_INTERVAL_S``): the memory a backend gives back between bursts shows there
@@ -86,15 +93,41 @@ class _Sampler:
         u = st.kv_usage
         created = created_bytes(u)
         critical = st.alloc_time_s_total - st.alloc_ahead_time_s_total      # not overlapped with the GPU
+        b = kv_breakdown(u.allocated_bytes, u.waste_bytes, st.reserved_unused_bytes, created)
         row = (t0 - self.start, st.last_step_time_s, critical - self.prev_alloc_s, st.num_running,
-               st.num_waiting, u.num_seqs, u.used_tokens, u.allocated_bytes, u.mapped_bytes, u.waste_bytes,
-               u.free_tokens, created, u.allocated_bytes, max(0, created - u.allocated_bytes),
-               device_memory_used_bytes(self.cuda_device), st.reserved_unused_bytes)
+               st.num_waiting, u.num_seqs, u.used_tokens, u.allocated_bytes, u.mapped_bytes, b.tail_bytes,
+               u.free_tokens, created, u.allocated_bytes, b.idle_bytes,
+               device_memory_used_bytes(self.cuda_device), b.reserved_unused_bytes, b.token_bytes,
+               st.num_running_seqs or st.num_running)
         self.prev_alloc_s = critical
         self.max_running = max(self.max_running, st.num_running)
         for c, v in zip(STEP_COLUMNS, row):
             self.cols[c].append(v)
         self.overhead_s += time.perf_counter() - t0
+
+
+def breakdown_summary(cols: dict) -> dict:
+    """The memory breakdown of a run's steps (``cols``: :data:`STEP_COLUMNS` lists): for each part of
+    :data:`BREAKDOWN_COLUMNS` and ``created_bytes``, its mean and peak bytes over the steps
+    (``<part>_mean`` / ``<part>_peak``); ``<part>_pct``: the part's share of the created bytes summed
+    over the steps (the four add up to 100); ``in_use_<part>_pct`` for the three parts of the in-use
+    memory (token, reserved unused, tail): their share of the in-use bytes (the paper's Fig. 2 view:
+    what the memory requests hold is spent on).  Zeros for a run without steps."""
+    out: dict = {}
+    n = len(cols.get("t_s", ()))
+    total = {k: float(sum(cols.get(k, ()) or ())) for k in BREAKDOWN_COLUMNS + ("created_bytes",)}
+    for k in BREAKDOWN_COLUMNS + ("created_bytes",):
+        name = "tail_bytes" if k == "waste_bytes" else k
+        vals = cols.get(k) or []
+        out[name.removesuffix("_bytes") + "_bytes_mean"] = total[k] / n if n else 0.0
+        out[name.removesuffix("_bytes") + "_bytes_peak"] = int(max(vals, default=0))
+    in_use = sum(total[k] for k in BREAKDOWN_COLUMNS[:3])
+    for k in BREAKDOWN_COLUMNS:
+        name = ("tail_bytes" if k == "waste_bytes" else k).removesuffix("_bytes")
+        out[f"{name}_pct"] = 100 * total[k] / total["created_bytes"] if total["created_bytes"] else 0.0
+        if k != "idle_bytes":
+            out[f"in_use_{name}_pct"] = 100 * total[k] / in_use if in_use else 0.0
+    return out
 
 
 def _params(req: Request, temperature: float):
@@ -334,6 +367,7 @@ def run_worker(cfg: dict, progress=_emit) -> dict:
         "reserved_unused_pct_mean": (float(100 * sum(cols["reserved_unused_bytes"]) / alloc.sum())
                                      if alloc.sum() else 0.0),
         "reservation_overruns": st1.num_reservation_overruns - st0.num_reservation_overruns,
+        "breakdown": breakdown_summary(cols),
         "torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated(cuda_device)) if cuda_device else 0,
     }
     vmm, vmm_raw = _vmm_delta(stats0, stats1, samples1)

@@ -33,6 +33,13 @@ __all__ = [
     "tpot",
     "inter_token_latencies",
     "compute_serving_metrics",
+    "WARMUP_FRACTION",
+    "SLO_ATTAINMENT_MIN",
+    "NORM_LATENCY_BOUND_FACTOR",
+    "measured_records",
+    "normalized_latency",
+    "sweep_point",
+    "sustained_rate",
 ]
 
 #: percentiles reported for every latency (BENCHMARKS.md: mean, p50, p90, p99)
@@ -256,3 +263,86 @@ def compute_serving_metrics(records: Sequence[RequestRecord], duration_s: float,
         out["goodput"] = sum(1 for r in ok if slo.met_by(r)) / duration_s
         out["slo"] = asdict(slo)
     return out
+
+
+# --- online sweeps: normalized latency and the rate a design sustains (issue 24) -----------------------
+
+#: the share of a run's requests, first by arrival, left out of the sweep metrics (the run's ramp-up:
+#: the batch fills from empty; the PagedAttention paper's Fig. 12 drops the same)
+WARMUP_FRACTION = 0.1
+#: a rate is sustained when at least this fraction of the measured requests meets the SLO ...
+SLO_ATTAINMENT_MIN = 0.9
+#: ... and its normalized latency is at most this factor times the design's lowest in the sweep
+NORM_LATENCY_BOUND_FACTOR = 4.0
+
+
+def measured_records(records: Sequence[RequestRecord], warmup_fraction: float = WARMUP_FRACTION
+                     ) -> list[RequestRecord]:
+    """``records`` by arrival time without the first ``floor(warmup_fraction x len(records))`` of them
+    (ties keep their order).  Raises ValueError for a fraction outside [0, 1)."""
+    if not 0 <= warmup_fraction < 1:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+    ordered = sorted(records, key=lambda r: r.arrival_time)
+    return ordered[int(math.floor(warmup_fraction * len(ordered) + 1e-9)):]
+
+
+def normalized_latency(records: Sequence[RequestRecord], warmup_fraction: float = WARMUP_FRACTION) -> float:
+    """The PagedAttention paper's normalized latency (Kwon et al., SOSP'23, section 6.1, Fig. 12): the
+    mean over requests of end-to-end latency / output tokens (``output_len``: the longest completion),
+    seconds per token, over :func:`measured_records` (the first ``warmup_fraction`` by arrival
+    dropped); successful requests with an output only; NaN when none."""
+    vals = [r.e2e_latency / r.output_len for r in measured_records(records, warmup_fraction)
+            if r.success and r.e2e_latency is not None and r.output_len > 0]
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def sweep_point(records: Sequence[RequestRecord], rate: float, slo: SLO | None = None,
+                warmup_fraction: float = WARMUP_FRACTION) -> dict:
+    """One (design, rate) point of an online sweep, over :func:`measured_records`:
+    ``normalized_latency_s`` (:func:`normalized_latency`), ``ttft_ms`` / ``tpot_ms`` / ``e2e_ms``
+    (:func:`summarize`), ``slo_attainment`` (the fraction of the measured requests, failed ones
+    included, that meets every objective of ``slo``; None without one), ``requests_measured`` and
+    ``requests_dropped``; ``rate``: the offered rate (req/s)."""
+    kept = measured_records(records, warmup_fraction)
+    ok = [r for r in kept if r.success]
+    out = {"rate": float(rate), "requests_measured": len(kept), "requests_dropped": len(records) - len(kept),
+           "normalized_latency_s": normalized_latency(kept, 0.0),
+           "ttft_ms": summarize((r.ttft for r in ok), 1e3), "tpot_ms": summarize((r.tpot for r in ok), 1e3),
+           "e2e_ms": summarize((r.e2e_latency for r in ok), 1e3), "slo_attainment": None}
+    if slo is not None and slo.is_set and kept:
+        out["slo_attainment"] = sum(1 for r in ok if slo.met_by(r)) / len(kept)
+    return out
+
+
+def sustained_rate(points: Sequence[dict], attainment_min: float = SLO_ATTAINMENT_MIN,
+                   latency_bound_factor: float = NORM_LATENCY_BOUND_FACTOR) -> dict:
+    """The highest swept rate a design sustains, from its :func:`sweep_point` dicts (any order).
+
+    A rate *passes* when (a) ``slo_attainment >= attainment_min`` (skipped when the points carry no
+    SLO attainment) and (b) its normalized latency is finite and at most ``latency_bound_factor`` x the
+    lowest normalized latency of the design's points (the latency stays bounded instead of growing with
+    the queue).  The sustained rate is the highest rate such that it and every lower swept rate pass
+    (a design sustains a rate only if it sustains every lighter load swept); None when the lowest
+    rate fails.  Returns ``{"sustained_rate", "passes": [{"rate", "passed", "why"}...], "rule"}``."""
+    pts = sorted(points, key=lambda p: p["rate"])
+    finite = [p["normalized_latency_s"] for p in pts if p["normalized_latency_s"] is not None
+              and math.isfinite(p["normalized_latency_s"])]
+    floor_s = min(finite) if finite else math.nan
+    sustained, broken, passes = None, False, []
+    for p in pts:
+        why = []
+        nl = p["normalized_latency_s"]
+        if nl is None or not math.isfinite(nl):
+            why.append("no normalized latency")
+        elif nl > latency_bound_factor * floor_s:
+            why.append(f"normalized latency {nl:.4g} s > {latency_bound_factor:g} x {floor_s:.4g} s")
+        att = p.get("slo_attainment")
+        if att is not None and att < attainment_min:
+            why.append(f"SLO attainment {att:.3f} < {attainment_min:g}")
+        passes.append({"rate": p["rate"], "passed": not why, "why": "; ".join(why)})
+        broken = broken or bool(why)
+        if not broken:
+            sustained = p["rate"]
+    return {"sustained_rate": sustained, "passes": passes,
+            "rule": {"slo_attainment_min": attainment_min, "norm_latency_bound_factor": latency_bound_factor,
+                     "norm_latency_floor_s": floor_s}}

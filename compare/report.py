@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "environment", "to_jsonable", "write_json", "make_table", "markdown_table", "progress",
     "fmt_bytes", "fmt_num", "fmt_size", "console", "plot_waste_vs_unit", "plot_latency_cdfs", "plot_throughput_vs_rate",
-    "plot_memory_timeline", "MEMORY_TIMELINE_QUANTITIES",
+    "plot_memory_timeline", "MEMORY_TIMELINE_QUANTITIES", "plot_normalized_latency_vs_rate", "plot_batch_size",
+    "plot_memory_breakdown", "MEMORY_BREAKDOWN_PARTS",
 ]
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -385,3 +386,89 @@ def plot_memory_timeline(series: dict[str, dict[str, Sequence[float]]], path: st
     ax_dev.set_ylabel(f"device memory in use ({dunit})")
     ax_dev.set_title("device memory (CUDA: total - free; CPU: RSS)", fontsize=10)
     return _finish(fig, [ax, ax_dev], path, "", 7)
+
+
+def plot_normalized_latency_vs_rate(points: dict[str, list[tuple[float, float]]], path: str | Path,
+                                    title: str = "", sustained: dict[str, float | None] | None = None) -> Path:
+    """Normalized latency (s/token) vs request rate, one line per design (the PagedAttention paper's
+    Fig. 12); a design's sustained rate (``sustained``) is marked by a dotted vertical line.
+
+    Args:
+        points: ``{design: [(request_rate, normalized_latency_s), ...]}``.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    top = 0.0
+    for i, (label, pts) in enumerate(points.items()):
+        pts = sorted((r, v) for r, v in pts if v is not None and math.isfinite(v))
+        if not pts:
+            continue
+        top = max(top, max(v for _, v in pts))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}", label=label)
+        rate = (sustained or {}).get(label)
+        if rate is not None:
+            ax.axvline(rate, color=f"C{i}", ls=":", lw=1)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_ylim(bottom=0)
+    return _finish(fig, [ax], path, title, 8, figure_title=False)
+
+
+def plot_batch_size(series: dict[str, tuple[Sequence[float], Sequence[float]]], path: str | Path,
+                    title: str = "") -> Path:
+    """Sequences in the running batch over time, one line per design (the batch size of the
+    PagedAttention paper's Fig. 13, over the run rather than its mean).
+
+    Args:
+        series: ``{design: (t_s, running_seqs)}`` per engine step.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for i, (label, (t, n)) in enumerate(series.items()):
+        if len(t):
+            mean = sum(n) / len(n)
+            ax.plot(t, n, color=f"C{i}", lw=1.1, drawstyle="steps-post", label=f"{label} (mean {mean:.1f})")
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("running sequences (batch size)")
+    ax.set_ylim(bottom=0)
+    return _finish(fig, [ax], path, title, 8, figure_title=False)
+
+
+#: the parts of :func:`plot_memory_breakdown`, bottom of the stack first: (step column, label, colour)
+MEMORY_BREAKDOWN_PARTS = (("token_bytes", "token states", "C2"), ("reserved_unused_bytes", "reserved, unused", "C1"),
+                          ("waste_bytes", "block/page tails", "C3"), ("idle_bytes", "idle (free, kept)", "0.85"))
+
+
+def plot_memory_breakdown(series: dict[str, dict[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
+    """The KV memory breakdown over time (the PagedAttention paper's Fig. 2 over a run), one column per
+    design: top, stacked areas of token states, reserved but unused, block or page tails and idle memory,
+    which add up to the created bytes, with the budget (``capacity``) dashed when given; bottom, the three
+    parts of the in-use memory alone (idle memory, a static pool's free blocks, would hide them).
+
+    Args:
+        series: ``{design: steps}``, ``steps`` a run's ``raw["steps"]`` columns (``t_s`` and the
+            :data:`MEMORY_BREAKDOWN_PARTS` columns; a missing one is drawn as zeros), optionally
+            ``capacity_bytes`` (a number).
+    """
+    plt = _pyplot()
+    n = max(1, len(series))
+    fig, axes = plt.subplots(2, n, figsize=(4.6 * n, 6.4), squeeze=False, sharex="col")
+    parts = MEMORY_BREAKDOWN_PARTS
+    for col, (label, s) in enumerate(series.items()):
+        t = list(s.get("t_s") or [])
+        raw = [list(s.get(k) or [0] * len(t)) for k, _, _ in parts]
+        for row, k in ((0, len(parts)), (1, len(parts) - 1)):
+            ax = axes[row][col]
+            top = max([sum(v) for v in zip(*raw[:k])] + [0])
+            if row == 0:
+                top = max(top, s.get("capacity_bytes") or 0)
+            unit, scale = _byte_unit(top)
+            if t:
+                ax.stackplot(t, *[[v / scale for v in ys] for ys in raw[:k]], labels=[p[1] for p in parts[:k]],
+                             colors=[p[2] for p in parts[:k]], step="post")
+            if row == 0 and s.get("capacity_bytes"):
+                ax.axhline(s["capacity_bytes"] / scale, color="k", ls="--", lw=1, label="budget")
+            ax.set_ylabel(f"{'KV memory' if row == 0 else 'in use'} ({unit})")
+            ax.set_title(label if row == 0 else f"{label}: in use only", fontsize=10)
+        axes[1][col].set_xlabel("time since start (s)")
+    return _finish(fig, [ax for row in axes for ax in row], path, title, 7)

@@ -280,3 +280,63 @@ def test_an_infinite_grace_period_reaches_the_worker(tmp_path):
     assert "error" not in run and run["serving"]["completed"] == 2
     cfg = json.loads((out / "raw" / "offline-vmem.config.json").read_text())
     assert cfg["knobs"]["kv_shrink_grace_s"] == float("inf")
+
+
+@pytest.mark.slow
+def test_online_sweep_two_rates_two_designs(tmp_path):
+    """The sweep in one invocation (issue 24): per design and rate the normalized latency, TTFT/TPOT,
+    goodput and SLO attainment, the sustained rate and its ratio to the reference design (the +max one by
+    default); the plots; and the memory breakdown per step, each part >= 0 and all adding up to created."""
+    out = tmp_path / "res"
+    rc = main(["compare", "engine", "--backends", "paged,vmem+max", "--model", "tiny", "--device", "cpu",
+               "--num-requests", "10", "--input-len", "8..40", "--output-len", "3..8", "--warmup-requests", "1",
+               "--request-rate", "4,16", "--slo", "ttft:60000,tpot:60000", "--torch-threads", "1",
+               "--max-num-seqs", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    sw = res["sweep"]
+    assert sw["reference_design"] == "vmem+max" and sw["warmup_fraction"] == 0.1
+    assert sw["rule"]["slo_attainment_min"] == 0.9 and "sustained" in sw["rule"]["text"]
+    assert list(sw["designs"]) == ["paged", "vmem+max"]
+    for name, d in sw["designs"].items():
+        assert [p["rate"] for p in d["points"]] == [4.0, 16.0]
+        for p in d["points"]:
+            assert p["requests_measured"] == 9 and p["requests_dropped"] == 1   # the first 10% by arrival
+            assert p["normalized_latency_s"] > 0 and p["ttft_ms"]["p99"] >= p["ttft_ms"]["p50"] > 0
+            assert p["tpot_ms"]["p99"] >= p["tpot_ms"]["p50"] > 0 and p["goodput"] > 0
+            assert p["slo_attainment"] == 1.0 and p["batch_mean"] > 0 and p["batch_max"] >= 1
+        # a generous SLO: both rates are sustained unless the latency bound trips on CPU noise
+        assert d["sustained_rate"] in (None, 4.0, 16.0) and len(d["passes"]) == 2
+    ref = sw["designs"]["vmem+max"]
+    if ref["sustained_rate"]:
+        assert ref["sustained_vs_reference"] == 1.0
+    for png in ("normalized_latency_vs_rate", "batch_size_rate-4", "batch_size_rate-16", "kv_breakdown_rate-4",
+                "kv_breakdown_rate-16"):
+        assert (out / f"{png}.png").stat().st_size > 0, png
+    md = (out / "summary.md").read_text()
+    assert md.index("Sustained request rate") < md.index("Online sweep") < md.index("Serving")
+    assert "KV memory breakdown" in md
+    for r in res["runs"]:
+        b = r["memory"]["breakdown"]
+        assert b["created_bytes_mean"] > 0
+        assert sum(b[f"{k}_pct"] for k in ("token", "reserved_unused", "tail", "idle")) == pytest.approx(100)
+        steps = json.loads((out / r["raw_file"]).read_text())["raw"]["steps"]
+        parts = ("token_bytes", "reserved_unused_bytes", "waste_bytes", "idle_bytes")
+        for row in zip(*(steps[k] for k in parts + ("created_bytes", "allocated_bytes", "num_running_seqs"))):
+            *p, created, allocated, running = row
+            assert all(x >= 0 for x in p) and sum(p) <= created and sum(p[:3]) == allocated and running >= 0
+        if r["backend"] == "vmem+max":   # a reservation holds unwritten positions while requests run
+            assert b["reserved_unused_bytes_peak"] > 0 and b["in_use_reserved_unused_pct"] > 0
+
+
+def test_reference_design_defaults_and_errors(monkeypatch, tmp_path, capsys):
+    from vmkv.compare.engine_report import reference_design
+
+    assert reference_design(["paged", "vmem", "paged+max"]) == "paged+max"
+    assert reference_design(["paged", "vmem"]) == "paged"
+    assert reference_design(["paged", "vmem"], "vmem") == "vmem"
+    with pytest.raises(ValueError, match="not among"):
+        reference_design(["paged"], "vmem+max")
+    monkeypatch.setattr(engine_bench, "_run_worker", lambda *a, **k: pytest.fail("ran a worker"))
+    rc = main(["compare", "engine", "--backends", "paged", "--reference-design", "vmem", "--out", str(tmp_path)])
+    assert rc == 2 and "not among" in capsys.readouterr().out

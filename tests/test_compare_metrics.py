@@ -110,3 +110,67 @@ def test_slo_parse_errors():
 def test_duration_must_be_positive():
     with pytest.raises(ValueError, match="duration_s"):
         compute_serving_metrics([], 0.0)
+
+
+# --- online sweeps: normalized latency, the warm-up drop, the sustained-rate rule (issue 24) ----------
+
+from vmkv.compare.metrics import measured_records, normalized_latency, sustained_rate, sweep_point  # noqa: E402
+
+
+def _lat(i, arrival, e2e, out):
+    """A request arriving at ``arrival`` with ``out`` tokens, the last ``e2e`` s after it (ttft 0.1 e2e)."""
+    times = ([arrival + 0.1 * e2e + (0.9 * e2e) * k / (out - 1) for k in range(out)] if out > 1
+             else [arrival + e2e])
+    return RequestRecord(f"r{i}", 4, out, arrival, times[0], times[-1], times)
+
+
+def test_normalized_latency_is_the_mean_of_e2e_over_output_tokens():
+    # 10 requests: the first by arrival (listed last) is the 10% dropped; its 100 s / 1 token would dominate
+    recs = [_lat(i, float(i), e2e=2.0 * i, out=4) for i in range(1, 10)] + [_lat(0, 0.0, e2e=100.0, out=1)]
+    assert normalized_latency(recs) == pytest.approx(sum(2.0 * i / 4 for i in range(1, 10)) / 9)
+    assert normalized_latency(recs, 0.0) == pytest.approx((sum(2.0 * i / 4 for i in range(1, 10)) + 100.0) / 10)
+    assert math.isnan(normalized_latency([]))
+
+
+def test_warmup_drop_is_the_first_tenth_by_arrival():
+    recs = [_lat(i, float(20 - i), 1.0, 2) for i in range(20)]      # listed latest first
+    kept = measured_records(recs)
+    assert len(kept) == 18 and [r.arrival_time for r in kept] == [float(a) for a in range(3, 21)]
+    assert len(measured_records(recs[:9])) == 9                     # floor(0.9) = 0 dropped
+    assert len(measured_records(recs[:10])) == 9
+    with pytest.raises(ValueError):
+        measured_records(recs, 1.0)
+
+
+def test_sweep_point_attainment_counts_failures_and_the_slo():
+    ok = [_lat(i, float(i), e2e=1.0, out=5) for i in range(9)]
+    slow = _lat(9, 9.0, e2e=10.0, out=5)                    # ttft 1 s: over a 500 ms TTFT objective
+    failed = RequestRecord("f", 4, 0, 10.0, None, None, success=False)
+    p = sweep_point(ok + [slow, failed], rate=2.0, slo=SLO(ttft_ms=500), warmup_fraction=0.0)
+    assert p["rate"] == 2.0 and p["requests_measured"] == 11 and p["requests_dropped"] == 0
+    assert p["slo_attainment"] == pytest.approx(9 / 11)
+    assert p["normalized_latency_s"] == pytest.approx((9 * 0.2 + 2.0) / 10)
+    assert p["ttft_ms"]["n"] == 10 and p["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert sweep_point(ok, 2.0)["slo_attainment"] is None
+
+
+def _pt(rate, nl, att=None):
+    return {"rate": rate, "normalized_latency_s": nl, "slo_attainment": att}
+
+
+def test_sustained_rate_rule_known_answers():
+    # bounded latency, attainment falls below 0.9 at 8 req/s: 6 is the highest sustained
+    r = sustained_rate([_pt(8, 0.05, 0.5), _pt(2, 0.01, 1.0), _pt(4, 0.012, 0.95), _pt(6, 0.02, 0.9)])
+    assert r["sustained_rate"] == 6 and [p["passed"] for p in r["passes"]] == [True, True, True, False]
+    assert "attainment" in r["passes"][-1]["why"]
+    # the latency bound: 4x the lowest (0.01 s) is 0.04 s, exceeded at 6 req/s even with full attainment
+    r = sustained_rate([_pt(2, 0.01, 1.0), _pt(4, 0.04, 1.0), _pt(6, 0.041, 1.0)])
+    assert r["sustained_rate"] == 4 and "normalized latency" in r["passes"][2]["why"]
+    # every lower rate must pass too: a pass above a failure does not count
+    assert sustained_rate([_pt(2, 0.01, 0.5), _pt(4, 0.01, 1.0)])["sustained_rate"] is None
+    assert sustained_rate([_pt(2, 0.01, 1.0), _pt(4, 0.01, 0.8), _pt(6, 0.01, 1.0)])["sustained_rate"] == 2
+    # no SLO: the latency bound alone; a NaN latency (nothing completed) fails
+    assert sustained_rate([_pt(1, 0.01), _pt(2, 0.03)])["sustained_rate"] == 2
+    assert sustained_rate([_pt(1, 0.01), _pt(2, math.nan)])["sustained_rate"] == 1
+    r = sustained_rate([_pt(1, 0.01, 1.0)], attainment_min=0.5, latency_bound_factor=2.0)
+    assert r["rule"] == {"slo_attainment_min": 0.5, "norm_latency_bound_factor": 2.0, "norm_latency_floor_s": 0.01}

@@ -79,7 +79,8 @@ def test_models_health_and_metrics_format(server):
 
 
 KV_MEMORY_GAUGES = ("vmkv_kv_created_bytes", "vmkv_kv_mapped_bytes", "vmkv_kv_in_use_bytes", "vmkv_kv_idle_bytes",
-                    "vmkv_device_memory_used_bytes")
+                    "vmkv_device_memory_used_bytes", "vmkv_kv_token_bytes", "vmkv_kv_reserved_unused_bytes",
+                    "vmkv_kv_tail_bytes")
 
 
 def _check_kv_memory(server, m: dict) -> None:
@@ -87,6 +88,10 @@ def _check_kv_memory(server, m: dict) -> None:
     assert m["vmkv_kv_capacity_bytes"] >= created >= mapped >= 0 and created >= in_use >= 0
     assert idle == created - in_use and in_use == m["vmkv_kv_allocated_bytes"]
     assert m["vmkv_device_memory_used_bytes"] > 0          # CPU: the server process's RSS
+    # the breakdown (paper's Fig. 2): token states + reserved unused + tails + idle = created
+    parts = [m[f"vmkv_kv_{k}_bytes"] for k in ("token", "reserved_unused", "tail")]
+    assert all(p >= 0 for p in parts) and sum(parts) == in_use and sum(parts) + idle == created
+    assert m["vmkv_kv_tail_bytes"] == m["vmkv_kv_waste_bytes"]
     if server.backend == "paged":                          # a static pool: all of it exists
         assert created == m["vmkv_kv_capacity_bytes"]
     else:                                                  # pages created on demand, whole pages

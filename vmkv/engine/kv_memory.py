@@ -20,7 +20,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["KVMemory", "kv_memory", "read_kv_memory", "created_bytes", "device_memory_used_bytes"]
+__all__ = ["KVMemory", "kv_memory", "read_kv_memory", "created_bytes", "device_memory_used_bytes", "KVBreakdown",
+           "kv_breakdown"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,43 @@ def read_kv_memory(kv_cache: Any, device: Any = None) -> KVMemory:
     """:func:`kv_memory` of ``kv_cache`` now (call it on the thread that owns the cache)."""
     # usage() only: O(1) (backend_stats() summarises latency samples; too slow to read every step)
     return kv_memory(kv_cache.usage(), None, device_memory_used_bytes(device))
+
+
+@dataclass(frozen=True)
+class KVBreakdown:
+    """Where the physical KV memory goes (the PagedAttention paper's Fig. 2), four parts that add up to
+    the created bytes:
+
+    Attributes:
+        token_bytes: holding token states (K and V) that a step has written for a live sequence.
+        reserved_unused_bytes: backed for a live sequence at positions no step has written yet (a static
+            reservation's unused part; without one, the positions backed a step ahead).
+        tail_bytes: internal fragmentation: the part of the in-use units past the backed positions
+            (block or page tails: ``CacheUsage.waste_bytes``).
+        idle_bytes: created but backing no live sequence (paged: the static pool's free blocks; vmem:
+            pages mapped or kept but idle).
+        created_bytes: physical KV memory that exists (the sum of the four).
+    """
+
+    token_bytes: int
+    reserved_unused_bytes: int
+    tail_bytes: int
+    idle_bytes: int
+    created_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def kv_breakdown(allocated_bytes: int, waste_bytes: int, reserved_unused_bytes: int, created: int) -> KVBreakdown:
+    """Split ``created`` bytes into :class:`KVBreakdown`'s parts from a cache's ``allocated_bytes`` and
+    ``waste_bytes`` (``CacheUsage``) and the engine's ``reserved_unused_bytes`` (``EngineStats``), each
+    clamped so that every part is >= 0 and they add up to ``created``: in use = min(allocated, created),
+    tail = min(waste, in use), reserved unused = min(reserved_unused, in use - tail), tokens the rest of
+    in use, idle = created - in use."""
+    created = max(0, int(created))
+    in_use = min(max(0, int(allocated_bytes)), created)
+    tail = min(max(0, int(waste_bytes)), in_use)
+    unused = min(max(0, int(reserved_unused_bytes)), in_use - tail)
+    return KVBreakdown(token_bytes=in_use - tail - unused, reserved_unused_bytes=unused, tail_bytes=tail,
+                       idle_bytes=created - in_use, created_bytes=created)

@@ -5,7 +5,8 @@ Two kinds:
 * engine state, read at scrape time from a fresh ``engine.get_stats()`` snapshot and a fresh
   :class:`~vmkv.engine.kv_memory.KVMemory` reading (both taken on the engine thread by the ``/metrics``
   handler, :func:`read_engine_state`): KV used tokens, allocated / mapped / reserved / waste / capacity
-  bytes, the physical KV bytes held (created, in use, idle) next to the device memory in use, running
+  bytes, the physical KV bytes held (created, in use, idle) and their breakdown (token states, reserved
+  but unused, block or page tails, idle; they add up to created) next to the device memory in use, running
   and waiting requests, preemptions, prefix-cache hit rate, steps;
 * per-request observations made when a request finishes (on the engine thread; prometheus_client is
   thread-safe): time to first token, inter-token latency, end-to-end latency, token counters and
@@ -23,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from vmkv.engine.kv_memory import KVMemory, read_kv_memory
+from vmkv.engine.kv_memory import KVMemory, kv_breakdown, read_kv_memory
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE", "read_engine_state"]
 
@@ -106,6 +107,15 @@ class _EngineCollector(Collector):
                     "(created - in use: the reserve)", m.idle_bytes)
         yield gauge("vmkv_device_memory_used_bytes", "Device memory in use (CUDA: total - free, every "
                     "process; CPU: this process's resident set)", m.device_used_bytes)
+        # the memory breakdown (the PagedAttention paper's Fig. 2): token + reserved unused + tail + idle
+        # = created (vmkv.engine.kv_memory.kv_breakdown)
+        b = kv_breakdown(u.allocated_bytes, u.waste_bytes, getattr(s, "reserved_unused_bytes", 0), m.created_bytes)
+        yield gauge("vmkv_kv_token_bytes", "Physical KV bytes holding token states written for live sequences",
+                    b.token_bytes)
+        yield gauge("vmkv_kv_reserved_unused_bytes", "Physical KV bytes backed for live sequences at "
+                    "positions not written yet (a static reservation's unused part)", b.reserved_unused_bytes)
+        yield gauge("vmkv_kv_tail_bytes", "Physical KV bytes of in-use units past the backed positions "
+                    "(internal fragmentation: block or page tails)", b.tail_bytes)
 
 
 class ServerMetrics:

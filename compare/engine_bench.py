@@ -43,7 +43,9 @@ __all__ = ["add_arguments", "run", "parse_rates", "scenario_name", "backend_knob
            "Plan", "plan", "resolve_rate"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
+    """The comparison's flags (``sweep``: with the online sweep's ``--slo-attainment`` and
+    ``--reference-design``, which ``vmkv compare serve`` does not report)."""
     g = p.add_argument_group("what to compare")
     g.add_argument("--backends", default="paged,vmem",
                    help="comma-separated KV designs: a backend (paged, vmem) or a backend with a static "
@@ -84,13 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "full token budget): activation memory and GEMM configurations at that size are "
                         "paid before the measured run")
     w.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft:1000,tpot:100")
-    w.add_argument("--slo-attainment", type=float, default=SLO_ATTAINMENT_MIN,
-                   help="an online sweep's sustained rate: the highest swept rate (every lower one too) at which "
-                        "at least this fraction of the requests meets --slo and the normalized latency stays "
-                        f"within {NORM_LATENCY_BOUND_FACTOR:g}x the design's lowest (default {SLO_ATTAINMENT_MIN})")
-    w.add_argument("--reference-design", default=None, metavar="DESIGN",
-                   help="the design the sweep's sustained rates are divided by (default: the first +max design, "
-                        "e.g. paged+max, else the first design)")
+    if sweep:
+        w.add_argument("--slo-attainment", type=float, default=SLO_ATTAINMENT_MIN,
+                       help="an online sweep's sustained rate: the highest swept rate (every lower one too) at "
+                            "which at least this fraction of the requests meets --slo and the normalized latency "
+                            f"stays within {NORM_LATENCY_BOUND_FACTOR:g}x the design's lowest (default "
+                            f"{SLO_ATTAINMENT_MIN})")
+        w.add_argument("--reference-design", default=None, metavar="DESIGN",
+                       help="the design the sweep's sustained rates are divided by (default: the first +max "
+                            "design, e.g. paged+max, else the first design)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -355,6 +359,8 @@ def run(args) -> int:
                 task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)
                 res = _run_worker(cfg, out_dir, prog, task, args.timeout_s, args.torch_threads)
                 res["rate_spec"] = rate_text
+                if "error" in res:      # the sweep counts a failed (e.g. timed-out) rate as not sustained
+                    res["request_rate"] = rate
                 runs.append(res)
                 if "error" in res:
                     console.print(f"[red]{cfg['scenario']}-{backend} failed:[/red] {res['error']}")

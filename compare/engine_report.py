@@ -203,14 +203,24 @@ def sweep(runs: list[dict], slo_text: str | None, reference: str | None = None,
     arrival dropped) plus ``scenario``, ``goodput`` (req/s meeting the SLO over the whole run, as in
     ``serving``), ``goodput_per_offered`` (goodput / rate), ``request_throughput``,
     ``output_throughput``, ``batch_mean`` / ``batch_max`` (sequences in the running batch over the
-    steps); ``sustained_rate`` and ``passes`` (:func:`vmkv.compare.metrics.sustained_rate`), and
+    steps); a run that failed (or timed out, ``--timeout-s``) is a point with its ``error`` and no figures,
+    a rate not sustained; ``sustained_rate`` and ``passes`` (:func:`vmkv.compare.metrics.sustained_rate`), and
     ``sustained_vs_reference``: its sustained rate / the reference design's (None when either is None)."""
     online = [r for r in runs if "raw" in r and "serving" in r and math.isfinite(_rate(r))]
-    if not online:
+    failed = [r for r in runs if "error" in r and math.isfinite(float(r.get("request_rate", math.inf)))]
+    if not online and not failed:
         return None
     slo = SLO.parse(slo_text)
     out_designs: dict[str, dict] = {}
-    for r in online:
+    for r in runs:
+        if r in failed:     # a failed or timed-out run: its rate is not sustained (no figures)
+            out_designs.setdefault(r["backend"], {"points": []})["points"].append(
+                {"rate": float(r["request_rate"]), "scenario": r.get("scenario"), "error": r["error"],
+                 "normalized_latency_s": None, "slo_attainment": None, "goodput": None,
+                 "goodput_per_offered": None, "requests_measured": 0})
+            continue
+        if r not in online:
+            continue
         pt = sweep_point(records_from_raw(r["raw"]["requests"]), _rate(r), slo, warmup_fraction)
         s = r["serving"]
         steps = r["raw"].get("steps") or {}
@@ -275,6 +285,9 @@ def sweep_rows(sw: dict | None) -> list[list[str]]:
         ok = {p["rate"]: p["passed"] for p in d["passes"]}
         for p in d["points"]:
             nl = p["normalized_latency_s"]
+            if p.get("error"):
+                rows.append([name, _f(p["rate"]), "failed"] + ["-"] * (len(SWEEP_COLUMNS) - 4) + ["no"])
+                continue
             rows.append([name, _f(p["rate"]), "-" if nl is None or math.isnan(nl) else _f(1e3 * nl, 2),
                          _f(p["ttft_ms"]["p50"], 1), _f(p["ttft_ms"]["p99"], 1), _f(p["tpot_ms"]["p50"], 2),
                          _f(p["tpot_ms"]["p99"], 2), "-" if p["goodput"] is None else _f(p["goodput"]),
@@ -303,7 +316,8 @@ def _sweep_plots(runs: list[dict], sw: dict | None, out_dir: Path, title: str) -
     (Fig. 13 over time) and ``kv_breakdown_<scenario>.png`` (Fig. 2 over time, a panel per design)."""
     paths = []
     if sw:
-        pts = {name: [(p["rate"], p["normalized_latency_s"]) for p in d["points"]] for name, d in sw["designs"].items()}
+        pts = {name: [(p["rate"], p["normalized_latency_s"]) for p in d["points"] if not p.get("error")]
+               for name, d in sw["designs"].items()}
         paths.append(report.plot_normalized_latency_vs_rate(
             pts, out_dir / "normalized_latency_vs_rate.png", f"normalized latency vs rate; {title}",
             {name: d["sustained_rate"] for name, d in sw["designs"].items()}))

@@ -332,7 +332,9 @@ def sustained_rate(points: Sequence[dict], attainment_min: float = SLO_ATTAINMEN
     for p in pts:
         why = []
         nl = p["normalized_latency_s"]
-        if nl is None or not math.isfinite(nl):
+        if p.get("error"):
+            why.append(f"run failed: {p['error'][:120]}")
+        elif nl is None or not math.isfinite(nl):
             why.append("no normalized latency")
         elif nl > latency_bound_factor * floor_s:
             why.append(f"normalized latency {nl:.4g} s > {latency_bound_factor:g} x {floor_s:.4g} s")

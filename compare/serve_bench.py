@@ -52,7 +52,7 @@ MIXED_WARMUP_DELAY_S = 0.05
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    engine_bench.add_arguments(p)
+    engine_bench.add_arguments(p, sweep=False)
     s = p.add_argument_group("served path")
     s.add_argument("--random-weights", default=None, metavar="SHAPE",
                    help=f"a random-weight model shape ({', '.join(SHAPES)}): the same as --model SHAPE "

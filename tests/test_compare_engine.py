@@ -340,3 +340,38 @@ def test_reference_design_defaults_and_errors(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(engine_bench, "_run_worker", lambda *a, **k: pytest.fail("ran a worker"))
     rc = main(["compare", "engine", "--backends", "paged", "--reference-design", "vmem", "--out", str(tmp_path)])
     assert rc == 2 and "not among" in capsys.readouterr().out
+
+
+def _fake_run(design, rate, e2e_s, out=4, n=10):
+    """A finished run of ``design`` at ``rate``: ``n`` requests a second apart, each ``e2e_s`` long."""
+    reqs = [{"id": f"q{i}", "prompt_len": 8, "output_len": out, "num_output_tokens": out, "arrival_s": float(i),
+             "first_token_s": i + 0.1 * e2e_s, "finish_s": i + e2e_s,
+             "token_times_s": [i + 0.1 * e2e_s + 0.9 * e2e_s * k / (out - 1) for k in range(out)],
+             "success": True, "error": ""} for i in range(n)]
+    return {"backend": design, "scenario": f"rate-{rate:g}", "config": {"workload": {"request_rate": rate}},
+            "serving": {"goodput": rate, "request_throughput": rate, "output_throughput": rate * out},
+            "raw": {"requests": reqs, "steps": {"t_s": [0.0, 1.0], "num_running_seqs": [2, 4]}}}
+
+
+def test_sweep_from_runs_sustained_rates_ratio_and_a_failed_rate():
+    from vmkv.compare.engine_report import sustained_rows, sweep, sweep_rows
+
+    runs = [_fake_run("paged", 2, 0.4), _fake_run("paged+max", 2, 0.4),
+            _fake_run("paged", 4, 0.5), _fake_run("paged+max", 4, 4.0),      # 10x the lowest: unbounded
+            _fake_run("paged", 8, 0.6),
+            {"backend": "paged+max", "scenario": "rate-8", "error": "timed out after 5 s", "request_rate": 8.0}]
+    sw = sweep(runs, "ttft:1000")
+    assert sw["reference_design"] == "paged+max"
+    p, m = sw["designs"]["paged"], sw["designs"]["paged+max"]
+    assert p["sustained_rate"] == 8 and m["sustained_rate"] == 2 and p["sustained_vs_reference"] == 4.0
+    assert [x["passed"] for x in m["passes"]] == [True, False, False]
+    assert "timed out" in m["passes"][2]["why"] and "normalized latency" in m["passes"][1]["why"]
+    pt = p["points"][0]
+    assert pt["normalized_latency_s"] == pytest.approx(0.1) and pt["requests_dropped"] == 1
+    assert pt["slo_attainment"] == 1.0 and pt["batch_mean"] == 3.0 and pt["goodput_per_offered"] == 1.0
+    assert m["points"][1]["slo_attainment"] == 1.0 - 0.0     # ttft 400 ms: within the SLO, the bound fails it
+    rows = sweep_rows(sw)
+    assert len(rows) == 6 and rows[-1][2] == "failed" and rows[-1][-1] == "no"
+    assert [r[0] for r in sustained_rows(sw)] == ["paged", "paged+max (reference)"]
+    assert sweep([_fake_run("paged", 2, 0.4)], None)["rule"]["slo_attainment_min"] is None
+    assert sweep([{**_fake_run("paged", 2, 0.4), "config": {"workload": {"request_rate": "inf"}}}], None) is None

@@ -203,7 +203,7 @@ def sweep(runs: list[dict], slo_text: str | None, reference: str | None = None,
     arrival dropped) plus ``scenario``, ``goodput`` (req/s meeting the SLO over the whole run, as in
     ``serving``), ``goodput_per_offered`` (goodput / rate), ``request_throughput``,
     ``output_throughput``, ``batch_mean`` / ``batch_max`` (sequences in the running batch over the
-    steps); a run that failed (or timed out, ``--timeout-s``) is a point with its ``error`` and no figures,
+    steps); ``sustained_is_lower_bound``: every swept rate passed (sweep higher to find the limit); a run that failed (or timed out, ``--timeout-s``) is a point with its ``error`` and no figures,
     a rate not sustained; ``sustained_rate`` and ``passes`` (:func:`vmkv.compare.metrics.sustained_rate`), and
     ``sustained_vs_reference``: its sustained rate / the reference design's (None when either is None)."""
     online = [r for r in runs if "raw" in r and "serving" in r and math.isfinite(_rate(r))]
@@ -269,9 +269,15 @@ def sustained_rows(sw: dict | None) -> list[list[str]]:
     rows = []
     for name, d in sw["designs"].items():
         fail = next((p for p in d["passes"] if not p["passed"]), None)
+        ref = sw["designs"][sw["reference_design"]]
+        ratio = "-"
+        if d["sustained_vs_reference"] is not None:   # an unsaturated design: at least; an unsaturated reference: at most
+            lo, hi = d.get("sustained_is_lower_bound"), ref.get("sustained_is_lower_bound") and name != sw["reference_design"]
+            ratio = ("? " if lo and hi else ">= " if lo else "<= " if hi else "") + f"{d['sustained_vs_reference']:.2f}x"
         rows.append([name + (" (reference)" if name == sw["reference_design"] else ""),
-                     "none" if d["sustained_rate"] is None else _f(d["sustained_rate"]),
-                     "-" if d["sustained_vs_reference"] is None else f"{d['sustained_vs_reference']:.2f}x",
+                     "none" if d["sustained_rate"] is None else
+                     (">= " if d.get("sustained_is_lower_bound") else "") + _f(d["sustained_rate"]),
+                     ratio,
                      ", ".join(_f(p["rate"]) for p in d["points"]),
                      "-" if fail is None else f"{_f(fail['rate'])}: {fail['why']}"])
     return rows

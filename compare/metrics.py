@@ -323,7 +323,9 @@ def sustained_rate(points: Sequence[dict], attainment_min: float = SLO_ATTAINMEN
     lowest normalized latency of the design's points (the latency stays bounded instead of growing with
     the queue).  The sustained rate is the highest rate such that it and every lower swept rate pass
     (a design sustains a rate only if it sustains every lighter load swept); None when the lowest
-    rate fails.  Returns ``{"sustained_rate", "passes": [{"rate", "passed", "why"}...], "rule"}``."""
+    rate fails.  Returns ``{"sustained_rate", "passes": [{"rate", "passed", "why"}...],
+    "sustained_is_lower_bound", "rule"}`` (``sustained_is_lower_bound``: every swept rate passed, so the
+    design may sustain a higher one than the sweep reached)."""
     pts = sorted(points, key=lambda p: p["rate"])
     finite = [p["normalized_latency_s"] for p in pts if p["normalized_latency_s"] is not None
               and math.isfinite(p["normalized_latency_s"])]
@@ -346,5 +348,7 @@ def sustained_rate(points: Sequence[dict], attainment_min: float = SLO_ATTAINMEN
         if not broken:
             sustained = p["rate"]
     return {"sustained_rate": sustained, "passes": passes,
+            # every swept rate passed: the design may sustain more than the sweep reached
+            "sustained_is_lower_bound": bool(pts) and not broken,
             "rule": {"slo_attainment_min": attainment_min, "norm_latency_bound_factor": latency_bound_factor,
                      "norm_latency_floor_s": floor_s}}

@@ -372,6 +372,7 @@ def test_sweep_from_runs_sustained_rates_ratio_and_a_failed_rate():
     assert m["points"][1]["slo_attainment"] == 1.0 - 0.0     # ttft 400 ms: within the SLO, the bound fails it
     rows = sweep_rows(sw)
     assert len(rows) == 6 and rows[-1][2] == "failed" and rows[-1][-1] == "no"
-    assert [r[0] for r in sustained_rows(sw)] == ["paged", "paged+max (reference)"]
+    assert [r[:3] for r in sustained_rows(sw)] == [["paged", ">= 8.00", ">= 4.00x"], ["paged+max (reference)", "2.00", "1.00x"]]
+    assert p["sustained_is_lower_bound"] and not m["sustained_is_lower_bound"]
     assert sweep([_fake_run("paged", 2, 0.4)], None)["rule"]["slo_attainment_min"] is None
     assert sweep([{**_fake_run("paged", 2, 0.4), "config": {"workload": {"request_rate": "inf"}}}], None) is None

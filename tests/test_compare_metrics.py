@@ -162,6 +162,7 @@ def test_sustained_rate_rule_known_answers():
     # bounded latency, attainment falls below 0.9 at 8 req/s: 6 is the highest sustained
     r = sustained_rate([_pt(8, 0.05, 0.5), _pt(2, 0.01, 1.0), _pt(4, 0.012, 0.95), _pt(6, 0.02, 0.9)])
     assert r["sustained_rate"] == 6 and [p["passed"] for p in r["passes"]] == [True, True, True, False]
+    assert not r["sustained_is_lower_bound"]
     assert "attainment" in r["passes"][-1]["why"]
     # the latency bound: 4x the lowest (0.01 s) is 0.04 s, exceeded at 6 req/s even with full attainment
     r = sustained_rate([_pt(2, 0.01, 1.0), _pt(4, 0.04, 1.0), _pt(6, 0.041, 1.0)])
@@ -171,6 +172,7 @@ def test_sustained_rate_rule_known_answers():
     assert sustained_rate([_pt(2, 0.01, 1.0), _pt(4, 0.01, 0.8), _pt(6, 0.01, 1.0)])["sustained_rate"] == 2
     # no SLO: the latency bound alone; a NaN latency (nothing completed) fails
     assert sustained_rate([_pt(1, 0.01), _pt(2, 0.03)])["sustained_rate"] == 2
+    assert sustained_rate([_pt(1, 0.01), _pt(2, 0.03)])["sustained_is_lower_bound"]      # every rate passed
     assert sustained_rate([_pt(1, 0.01), _pt(2, math.nan)])["sustained_rate"] == 1
     r = sustained_rate([_pt(1, 0.01, 1.0)], attainment_min=0.5, latency_bound_factor=2.0)
     assert r["rule"] == {"slo_attainment_min": 0.5, "norm_latency_bound_factor": 2.0, "norm_latency_floor_s": 0.01}

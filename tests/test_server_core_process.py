@@ -307,3 +307,65 @@ def test_the_front_process_never_imports_torch(model_dir):
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_metrics_answer_while_the_core_is_stopped(model_dir, monkeypatch):
+    """A core that does not answer (SIGSTOP here; a very long step alike) leaves its gauges out of
+    ``/metrics`` after the timeout instead of stalling the scrape; once it runs again they are back."""
+    import vmkv.server.app as app_mod
+
+    monkeypatch.setattr(app_mod, "METRICS_ENGINE_TIMEOUT_S", 0.5)
+    srv = RunningServer(model_dir, "paged")
+    core = srv.async_engine.core_pid
+    try:
+        assert "vmkv_kv_used_tokens" in srv.http.get("/metrics").text
+        os.kill(core, signal.SIGSTOP)
+        try:
+            r = srv.http.get("/metrics", timeout=10)
+            assert r.status_code == 200
+            assert "vmkv_kv_used_tokens" not in r.text and "vmkv_http_requests_total" in r.text
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert "vmkv_kv_used_tokens" in srv.http.get("/metrics").text
+        srv.assert_alive()
+    finally:
+        srv.stop()
+
+
+def test_serve_binds_its_port_before_loading_the_model(model_dir):
+    """A port in use fails at once (exit 2, naming the port), before the engine core starts; ``--port 0``
+    prints the port it really got."""
+    import socket
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--device", "cpu",
+                               "--port", str(port), "--log-level", "info"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "engine core" not in done.stdout + done.stderr and "loaded" not in done.stderr
+    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--device", "cpu", "--port", "0",
+           "--log-level", "warning"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.time() + 60
+        while "listening on" not in line:
+            assert time.time() < deadline and p.poll() is None, "no banner"
+            line = p.stdout.readline()
+        url = line.rsplit("listening on ", 1)[1].strip().removesuffix("/v1")
+        assert not url.endswith(":0")
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, f"{url} never answered"
+            time.sleep(0.1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)

@@ -56,6 +56,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 #: largest request body accepted (bytes).  Tokenization runs on the front's event loop, so a huge prompt
 #: would stall every other stream while it is tokenized (30 MB of text: ~40 s on one CPU core).
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+#: how long ``/metrics`` waits for the engine core's stats (seconds) before answering without them
+METRICS_ENGINE_TIMEOUT_S = 5.0
 
 
 class SSEResponse(StreamingResponse):
@@ -280,9 +282,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        """The front's metrics, and the engine's read in the core; a core that does not answer within
+        :data:`METRICS_ENGINE_TIMEOUT_S` (stopped, or in a very long step) leaves its gauges out of this
+        scrape instead of stalling it."""
         try:
-            metrics.set_engine_stats(*await async_engine.call(read_engine_state))
+            metrics.set_engine_stats(*await async_engine.call(read_engine_state, timeout_s=METRICS_ENGINE_TIMEOUT_S))
         except (EngineDeadError, EngineShutdownError):
+            metrics.set_engine_stats(None)
+        except asyncio.TimeoutError:
+            logger.warning("/metrics: the engine core did not answer within %.0f s; its gauges are left out",
+                           METRICS_ENGINE_TIMEOUT_S)
             metrics.set_engine_stats(None)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

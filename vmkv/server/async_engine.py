@@ -295,12 +295,16 @@ class AsyncEngine:
         """Send one message to the core (event loop thread only)."""
         self._core.send(msg)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run ``fn(engine, *args)`` in the core between two steps and return its result.  ``fn`` and
         ``args`` must pickle (a module-level function): they cross the process boundary.
 
+        Args:
+            timeout_s: give up after this many seconds (``None``: wait as long as the core runs; a
+                core stopped by SIGSTOP, or inside a very long step, answers late).
         Raises:
-            whatever ``fn`` raises; EngineShutdownError / EngineDeadError when the core is gone.
+            whatever ``fn`` raises; EngineShutdownError / EngineDeadError when the core is gone;
+            TimeoutError after ``timeout_s`` (the late answer is dropped).
         """
         self._check_alive()
         call_id = next(self._call_ids)
@@ -308,7 +312,7 @@ class AsyncEngine:
         self._calls[call_id] = fut
         self._send(proto.Utility(call_id, pickle.dumps((fn, args))))
         try:
-            return await fut
+            return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._calls.pop(call_id, None)
 

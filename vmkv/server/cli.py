@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 
 from vmkv.engine.args import add_engine_args, engine_kwargs, parse_size
@@ -79,32 +80,64 @@ def _seconds(minimum: float | None):
     return parse
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port`` 0: any free one), made before the model loads so that a
+    port in use fails at once instead of after the load (vLLM binds first too); uvicorn listens on it.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this host's, ...).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the engine core process, then serve until SIGINT/SIGTERM.  Returns the exit code."""
+    """Bind the port, start the engine core process, then serve until SIGINT/SIGTERM.  Returns the exit code."""
     from vmkv.server.async_engine import AsyncEngine, EngineStartupError
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = _listen_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"vmkv serve: cannot listen on {args.host}:{args.port}: {exc} (choose another --port or --host)",
+              file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
     engine = AsyncEngine(engine_kwargs(args), log_level=args.log_level, torch_threads=getattr(args, "threads", None))
     engine.spawn_core()                      # the model loads while this process imports the HTTP stack
     from vmkv.server.app import build_app
     try:
         engine.start_core()
     except EngineStartupError as exc:
+        sock.close()
         print(f"vmkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2 if exc.kind == "config" else 1
+    except KeyboardInterrupt:                # Ctrl-C while the model loads: the core is stopped already
+        sock.close()
+        print("vmkv serve: interrupted while starting", file=sys.stderr)
+        return 130
     try:
         served = args.served_model_name or engine.model_name
         app = build_app(engine, served, backend=args.backend, max_request_bytes=args.max_request_bytes)
         print(f"vmkv serve: model {served} ({engine.model_name}), backend {args.backend}, "
               f"max_model_len {engine.max_model_len}, KV capacity {engine.kv_capacity_bytes / 2**20:.1f} MiB, "
-              f"engine core pid {engine.core_pid}; listening on http://{args.host}:{args.port}/v1", flush=True)
-        server = build_server(app, host=args.host, port=args.port, log_level=args.log_level,
+              f"engine core pid {engine.core_pid}; listening on http://{args.host}:{port}/v1", flush=True)
+        server = build_server(app, host=args.host, port=port, log_level=args.log_level,
                               graceful_timeout_s=args.graceful_timeout, header_timeout_s=args.header_timeout,
                               body_timeout_s=args.body_timeout, access_log=False)
-        server.run()  # SIGINT/SIGTERM: graceful shutdown, then the app's lifespan stops the engine core
+        server.run(sockets=[sock])  # SIGINT/SIGTERM: graceful shutdown, then the lifespan stops the core
     finally:
         engine.close_sync()   # the core never outlives this process (a no-op after the lifespan's shutdown)
+        sock.close()
     if server.received_signal is not None:
         print(f"vmkv serve: stopped ({signal.Signals(server.received_signal).name})", flush=True)
     else:

@@ -369,3 +369,30 @@ def test_serve_binds_its_port_before_loading_the_model(model_dir):
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)
+
+
+def test_health_turns_503_when_the_core_stops_answering(model_dir, monkeypatch):
+    """A core that is alive but stuck (SIGSTOP) leaves ``/health``'s liveness ping unanswered: past
+    ``HEALTH_STALL_S`` it answers 503 saying so; once the core runs again it is 200 again."""
+    import vmkv.server.app as app_mod
+
+    monkeypatch.setattr(app_mod, "HEALTH_STALL_S", 0.5)
+    srv = RunningServer(model_dir, "paged")
+    core = srv.async_engine.core_pid
+    try:
+        assert srv.http.get("/health").status_code == 200
+        os.kill(core, signal.SIGSTOP)
+        try:
+            srv.http.get("/health")                   # sends a ping the stopped core cannot answer
+            time.sleep(1.0)
+            r = srv.http.get("/health")
+            assert r.status_code == 503 and "has not answered" in r.json()["error"]["message"]
+        finally:
+            os.kill(core, signal.SIGCONT)
+        deadline = time.time() + 15
+        while srv.http.get("/health").status_code != 200:
+            assert time.time() < deadline, "health never recovered"
+            time.sleep(0.1)
+        srv.assert_alive()
+    finally:
+        srv.stop()

@@ -58,6 +58,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 #: how long ``/metrics`` waits for the engine core's stats (seconds) before answering without them
 METRICS_ENGINE_TIMEOUT_S = 5.0
+#: ``/health`` answers 503 once the engine core has left a liveness ping unanswered this long (seconds): far
+#: beyond any step (the core answers between steps), so only a stuck core reaches it
+HEALTH_STALL_S = 60.0
 
 
 class SSEResponse(StreamingResponse):
@@ -254,8 +257,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
 
     async def health() -> Response:
         """200 ``{"status": "ok"}`` while the engine serves; 503 with the reason when it cannot (the engine
-        core failed, e.g. a CUDA error poisoned the device, or its process died; or it is shutting down).
-        HEAD answers the same, bodiless."""
+        core failed, e.g. a CUDA error poisoned the device, or its process died; it has not answered a
+        liveness ping for :data:`HEALTH_STALL_S`, e.g. stopped or hung; or it is shutting down).  Each call
+        sends a ping if none is outstanding, so the stall is noticed from the second call on.  HEAD answers
+        the same, bodiless."""
         err = async_engine.error
         if err is not None:
             return error_response(OpenAIError(
@@ -264,6 +269,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         if not async_engine.is_running:
             return error_response(OpenAIError(503, "the engine is not running (shutting down or not started)",
                                               code="engine_unavailable"))
+        stalled = async_engine.stalled_s()
+        async_engine.ping()          # answered between two steps; a stuck core leaves it waiting
+        if stalled > HEALTH_STALL_S:
+            return error_response(OpenAIError(
+                503, f"the engine core has not answered for {stalled:.0f} s (stopped or hung; a step takes far "
+                     f"less); its process {async_engine.core_pid} is alive", code="engine_unavailable"))
         return JSONResponse({"status": "ok"})
 
     async def models() -> ModelList:

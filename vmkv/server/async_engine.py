@@ -184,6 +184,8 @@ class AsyncEngine:
         self._stopping = False
         self._stopped = False
         self._shutdown_task: asyncio.Future | None = None
+        self._ping_id: int | None = None
+        self._ping_sent: float | None = None
         self._dead: BaseException | None = None
         self.model_name = "model"
         self.max_model_len = 0
@@ -316,6 +318,19 @@ class AsyncEngine:
         finally:
             self._calls.pop(call_id, None)
 
+    def ping(self) -> None:
+        """Ask the core for a sign of life (non-blocking; one outstanding at a time): it answers between two
+        steps, so :meth:`stalled_s` grows only while the core is stuck (stopped, hung in a driver call) or
+        inside one very long step."""
+        if self._ping_id is not None or not self.is_running:
+            return
+        self._ping_id, self._ping_sent = next(self._call_ids), time.monotonic()
+        self._send(proto.Utility(self._ping_id, pickle.dumps((_alive, ()))))
+
+    def stalled_s(self) -> float:
+        """Seconds the oldest unanswered :meth:`ping` has waited (0 when none is outstanding)."""
+        return 0.0 if self._ping_sent is None else time.monotonic() - self._ping_sent
+
     async def add_request(
         self,
         request_id: str,
@@ -400,6 +415,9 @@ class AsyncEngine:
         if isinstance(msg, proto.StepOutputs):
             self._on_outputs(msg.outputs)
         elif isinstance(msg, proto.UtilityResult):
+            if msg.call_id == self._ping_id:
+                self._ping_id = self._ping_sent = None
+                return
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
                 value = pickle.loads(msg.payload)
@@ -461,6 +479,10 @@ class AsyncEngine:
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
+
+
+def _alive(engine: Any) -> bool:
+    return True
 
 
 def _get_stats(engine: Any) -> Any:

@@ -14,6 +14,15 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The server tests' tiny random Llama with tokenizer and chat template (``server_helpers.make_tiny_model``),
+    made once per session."""
+    from server_helpers import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

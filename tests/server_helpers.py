@@ -152,6 +152,29 @@ def engine_knobs_for(model_dir: Path | None, backend: str, engine_knobs: dict | 
             "memory_bytes": 4 << 20, **knobs, **(engine_knobs or {})}
 
 
+def inprocess_engine(model_dir: Path | None, backend: str, engine_knobs: dict | None = None):
+    """The engine a :class:`RunningServer` with the same arguments runs in its core, built in this process
+    (the reference the served completions are compared with)."""
+    from vmkv.engine.llm_engine import LLMEngine
+
+    kwargs = engine_knobs_for(model_dir, backend, engine_knobs)
+    return LLMEngine.from_args(kwargs.pop("model"), kwargs.pop("kv_backend"), kwargs.pop("device"),
+                               kwargs.pop("dtype"), **kwargs)
+
+
+def final_completions(engine, prompt, params) -> list:
+    """Run one request (``prompt`` text or token ids) on an in-process engine to its end; its completions
+    by index."""
+    ids = None if isinstance(prompt, str) else list(prompt)
+    engine.add_request("r", prompt if ids is None else None, params, prompt_token_ids=ids)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return sorted(final.outputs, key=lambda c: c.index)
+
+
 class RunningServer:
     """The real app on uvicorn in a background thread, its engine core in a child process."""
 

@@ -18,37 +18,16 @@ import dataclasses
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, make_tiny_llama
+from engine_helpers import hf_greedy
 from sampling_refs import ref_process
+from test_engine import BACKENDS, one_thread, tiny  # noqa: F401 (fixtures)
+from test_engine import make_engine as make_backend_engine
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.logits_processing import LogitsProcessing
 from vmkv.engine.sampling_params import SamplingParams
 
-BYTES_PER_TOKEN = 512
-BACKENDS = {
-    "paged": {"kv_backend": "paged"},
-    "vmem": {"kv_backend": "vmem", "driver": "host", "page_size_bytes": 4096},
-}
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from vmkv.model import load_model
-
-    path = tmp_path_factory.mktemp("tiny-llama-lp")
-    hf_model, tokenizer = make_tiny_llama(path)
-    loaded = load_model(str(path), device="cpu", dtype="float32")
-    return {"path": str(path), "hf": hf_model, "tokenizer": tokenizer, "loaded": loaded}
 
 
 @pytest.fixture(params=[(b, a) for b in BACKENDS for a in (False, True)],
@@ -58,13 +37,10 @@ def mode(request):
 
 
 def make_engine(tiny, mode, loaded=None) -> LLMEngine:
+    """``test_engine.make_engine`` in ``mode`` (``(backend, async_scheduling)``), on ``loaded`` if given."""
     backend, async_scheduling = mode
-    opts = dict(BACKENDS[backend])
-    kv_backend = opts.pop("kv_backend")
-    knobs = {"max_model_len": 256, "memory_bytes": 512 * BYTES_PER_TOKEN, "async_scheduling": async_scheduling,
-             **opts}
-    cfg = EngineConfig.from_args(tiny["path"], kv_backend, "cpu", "float32", **knobs)
-    return LLMEngine(cfg, loaded=loaded or tiny["loaded"])
+    return make_backend_engine(tiny if loaded is None else {**tiny, "loaded": loaded}, backend,
+                               async_scheduling=async_scheduling)
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int] | str, SamplingParams]]) -> dict:

@@ -14,7 +14,6 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -30,15 +29,8 @@ from server_helpers import (
     SERVED,
     VMEM_PAGE_SIZE_BYTES,
     RunningServer,
-    make_tiny_model,
     sse_events,
 )
-
-
-# ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module", params=["paged", "vmem"])

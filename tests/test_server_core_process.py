@@ -32,15 +32,11 @@ from server_helpers import (
     RunningServer,
     ServerProcess,
     engine_knobs_for,
+    final_completions,
+    inprocess_engine,
     set_step_delay,
-    make_tiny_model,
     sse_events,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-core"))
 
 
 def _children(pid: int) -> list[int]:
@@ -67,8 +63,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_killed_core_process_fails_streams_and_health(model_dir):
-    srv = RunningServer(model_dir, "paged")
+def test_killed_core_process_fails_streams_and_health(tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, "paged")
     try:
         srv.assert_alive()
         core = srv.async_engine.core_pid
@@ -94,11 +90,11 @@ def test_killed_core_process_fails_streams_and_health(model_dir):
         srv.stop()
 
 
-def test_sigterm_mid_stream_stops_both_processes(model_dir):
+def test_sigterm_mid_stream_stops_both_processes(tiny_model_dir):
     """``vmkv serve`` gets SIGTERM while a stream runs: the stream ends with [DONE] (finished or an error
     event after the graceful timeout), the server exits 0, and neither the core nor any other child
     outlives it."""
-    proc = ServerProcess(model_dir, "--graceful-timeout", "1", step_delay_s=0.05)
+    proc = ServerProcess(tiny_model_dir, "--graceful-timeout", "1", step_delay_s=0.05)
     try:
         kids = _children(proc.proc.pid)
         assert len(kids) >= 1, "the engine core runs in a child process"
@@ -121,8 +117,8 @@ def test_sigterm_mid_stream_stops_both_processes(model_dir):
         proc.kill()
 
 
-def test_64_streams_with_random_disconnects_free_all_kv(model_dir):
-    srv = RunningServer(model_dir, "vmem", engine_knobs={"max_num_seqs": 16})
+def test_64_streams_with_random_disconnects_free_all_kv(tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, "vmem", engine_knobs={"max_num_seqs": 16})
     rng = random.Random(5)
     plan = [(rng.random() < 0.5, rng.randint(1, 6)) for _ in range(64)]
 
@@ -165,34 +161,20 @@ def _device_knobs(device: str, backend: str) -> dict:
     return knobs
 
 
-def _inprocess_engine(model_dir: Path, backend: str, knobs: dict):
-    from vmkv.engine.llm_engine import LLMEngine
-
-    kwargs = engine_knobs_for(model_dir, backend, knobs)
-    return LLMEngine.from_args(kwargs.pop("model"), kwargs.pop("kv_backend"), kwargs.pop("device"),
-                               kwargs.pop("dtype"), **kwargs)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("backend", ["paged", "vmem"])
-def test_served_tokens_equal_the_in_process_engine(model_dir, backend, device):
+def test_served_tokens_equal_the_in_process_engine(tiny_model_dir, backend, device):
     """Greedy, seeded sampling with n=3, and stop strings (found in the front, across steps): the served
     completions are the in-process engine's, token for token and character for character (on CUDA
     too: CUDA graphs and async scheduling in both)."""
     from vmkv.engine.sampling_params import SamplingParams
 
     knobs = _device_knobs(device, backend)
-    engine = _inprocess_engine(model_dir, backend, knobs)
+    engine = inprocess_engine(tiny_model_dir, backend, knobs)
     prompt = "the capital of France is"
 
     def offline(params: SamplingParams) -> list:
-        engine.add_request("r", prompt, params)
-        final = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final = out
-        return sorted(final.outputs, key=lambda c: c.index)
+        return final_completions(engine, prompt, params)
 
     ref_greedy = offline(SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     words = ref_greedy[0].text.split()
@@ -203,7 +185,7 @@ def test_served_tokens_equal_the_in_process_engine(model_dir, backend, device):
     engine.close()
     assert ref_stop[0].finish_reason == "stop" and ref_stop[0].stop_reason == stop
 
-    srv = RunningServer(model_dir, backend, engine_knobs=knobs)
+    srv = RunningServer(tiny_model_dir, backend, engine_knobs=knobs)
     try:
         def served(body: dict) -> list[dict]:
             r = srv.http.post(COMPLETIONS_URL, json={"model": SERVED, "prompt": prompt, "ignore_eos": True,
@@ -231,8 +213,8 @@ def test_served_tokens_equal_the_in_process_engine(model_dir, backend, device):
         srv.stop()
 
 
-def test_max_num_seqs_and_limits_come_from_the_core(model_dir):
-    srv = RunningServer(model_dir, "paged")
+def test_max_num_seqs_and_limits_come_from_the_core(tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, "paged")
     try:
         card = srv.http.get("/v1/models").json()["data"][0]
         assert card["max_model_len"] == MAX_MODEL_LEN and card["vocab_size"] > 100
@@ -243,11 +225,11 @@ def test_max_num_seqs_and_limits_come_from_the_core(model_dir):
         srv.stop()
 
 
-def test_a_bad_engine_option_fails_the_server_before_it_listens(model_dir):
+def test_a_bad_engine_option_fails_the_server_before_it_listens(tiny_model_dir):
     """A bad option is reported by the core and ``vmkv serve`` exits 2 with the message (no listener)."""
     import sys
 
-    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--device", "cpu",
+    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
            "--max-model-len", "100000", "--port", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -255,7 +237,7 @@ def test_a_bad_engine_option_fails_the_server_before_it_listens(model_dir):
     assert "listening" not in done.stdout
 
 
-def test_a_normal_shutdown_reaps_the_core_once(model_dir, caplog):
+def test_a_normal_shutdown_reaps_the_core_once(tiny_model_dir, caplog):
     """The receiver thread and the shutdown both wait for the core process; a race between two reapers
     made ``multiprocessing`` report the exited core as alive, and the shutdown "killed" it after its
     timeout (a spurious warning on every stop, seen on the H200)."""
@@ -264,7 +246,7 @@ def test_a_normal_shutdown_reaps_the_core_once(model_dir, caplog):
     from vmkv.server.async_engine import AsyncEngine
 
     async def run_once() -> None:
-        ae = AsyncEngine(engine_knobs_for(model_dir, "paged"), log_level="warning", torch_threads=1)
+        ae = AsyncEngine(engine_knobs_for(tiny_model_dir, "paged"), log_level="warning", torch_threads=1)
         ae.start()
         out = await (await ae.add_request("r", None, _greedy(4), [5, 6, 7])).result()
         assert len(out.outputs[0].token_ids) == 4
@@ -284,7 +266,7 @@ def _greedy(max_tokens: int):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def test_the_front_process_never_imports_torch(model_dir):
+def test_the_front_process_never_imports_torch(tiny_model_dir):
     """The HTTP front tokenizes, detokenizes and streams; torch (and its threads and memory) stays in the
     engine core: the handshake carries nothing that needs torch to unpickle."""
     import sys
@@ -297,25 +279,25 @@ def test_the_front_process_never_imports_torch(model_dir):
         "    from server_helpers import engine_knobs_for\n"
         "    from vmkv.server.async_engine import AsyncEngine\n"
         "    import vmkv.server.app, vmkv.server.cli\n"
-        f"    ae = AsyncEngine(engine_knobs_for(Path({str(model_dir)!r}), 'paged'), log_level='warning')\n"
+        f"    ae = AsyncEngine(engine_knobs_for(Path({str(tiny_model_dir)!r}), 'paged'), log_level='warning')\n"
         "    ae.start_core()\n"
         "    assert ae.processor.encode('the capital of France')\n"
         "    ae.close_sync()\n"
         "    print('torch' in sys.modules)\n")
-    path = model_dir.parent / "front_torch_check.py"
+    path = tiny_model_dir.parent / "front_torch_check.py"
     path.write_text(program)
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_metrics_answer_while_the_core_is_stopped(model_dir, monkeypatch):
+def test_metrics_answer_while_the_core_is_stopped(tiny_model_dir, monkeypatch):
     """A core that does not answer (SIGSTOP here; a very long step alike) leaves its gauges out of
     ``/metrics`` after the timeout instead of stalling the scrape; once it runs again they are back."""
     import vmkv.server.app as app_mod
 
     monkeypatch.setattr(app_mod, "METRICS_ENGINE_TIMEOUT_S", 0.5)
-    srv = RunningServer(model_dir, "paged")
+    srv = RunningServer(tiny_model_dir, "paged")
     core = srv.async_engine.core_pid
     try:
         assert "vmkv_kv_used_tokens" in srv.http.get("/metrics").text
@@ -332,7 +314,7 @@ def test_metrics_answer_while_the_core_is_stopped(model_dir, monkeypatch):
         srv.stop()
 
 
-def test_serve_binds_its_port_before_loading_the_model(model_dir):
+def test_serve_binds_its_port_before_loading_the_model(tiny_model_dir):
     """A port in use fails at once (exit 2, naming the port), before the engine core starts; ``--port 0``
     prints the port it really got."""
     import socket
@@ -342,11 +324,11 @@ def test_serve_binds_its_port_before_loading_the_model(model_dir):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--device", "cpu",
+        done = subprocess.run([sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
                                "--port", str(port), "--log-level", "info"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "engine core" not in done.stdout + done.stderr and "loaded" not in done.stderr
-    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--device", "cpu", "--port", "0",
+    cmd = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0",
            "--log-level", "warning"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -371,13 +353,13 @@ def test_serve_binds_its_port_before_loading_the_model(model_dir):
         p.wait(30)
 
 
-def test_health_turns_503_when_the_core_stops_answering(model_dir, monkeypatch):
+def test_health_turns_503_when_the_core_stops_answering(tiny_model_dir, monkeypatch):
     """A core that is alive but stuck (SIGSTOP) leaves ``/health``'s liveness ping unanswered: past
     ``HEALTH_STALL_S`` it answers 503 saying so; once the core runs again it is 200 again."""
     import vmkv.server.app as app_mod
 
     monkeypatch.setattr(app_mod, "HEALTH_STALL_S", 0.5)
-    srv = RunningServer(model_dir, "paged")
+    srv = RunningServer(tiny_model_dir, "paged")
     core = srv.async_engine.core_pid
     try:
         assert srv.http.get("/health").status_code == 200

@@ -14,7 +14,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,18 +25,12 @@ from server_helpers import (
     WORDS,
     RunningServer,
     ServerProcess,
-    make_tiny_model,
     post_json,
     sse_events,
 )
 
 _MSG = [{"role": "user", "content": "hello"}]
 INT32_MAX = 2**31 - 1
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module", params=["paged", "vmem"])

@@ -7,14 +7,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
-from server_helpers import SERVED, RunningServer, check_kv_integrity, make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("elastic-model"))
+from server_helpers import SERVED, RunningServer, check_kv_integrity
 
 
 def _burst(srv: RunningServer, n: int = 6) -> None:
@@ -35,10 +29,10 @@ def _wait_for(srv: RunningServer, pred, timeout_s: float = 15.0) -> dict:
         time.sleep(0.1)
 
 
-def test_vmem_server_gives_idle_memory_back_after_a_burst(model_dir):
+def test_vmem_server_gives_idle_memory_back_after_a_burst(tiny_model_dir):
     from server_helpers import VMEM_PAGE_SIZE_BYTES
     # --kv-shrink-grace-s 0 --kv-reserve <one page>: idle pages go back at the first idle moment
-    srv = RunningServer(model_dir, "vmem", engine_knobs={"kv_shrink_grace_s": 0.0,
+    srv = RunningServer(tiny_model_dir, "vmem", engine_knobs={"kv_shrink_grace_s": 0.0,
                                                          "kv_reserve_bytes": VMEM_PAGE_SIZE_BYTES})
     try:
         page_size_bytes = srv.call(check_kv_integrity)
@@ -55,8 +49,8 @@ def test_vmem_server_gives_idle_memory_back_after_a_burst(model_dir):
         srv.stop()
 
 
-def test_paged_server_keeps_its_static_pool(model_dir):
-    srv = RunningServer(model_dir, "paged")
+def test_paged_server_keeps_its_static_pool(tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, "paged")
     try:
         before = srv.metrics()["vmkv_kv_created_bytes"]
         _burst(srv, 3)

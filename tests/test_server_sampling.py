@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,8 @@ from server_helpers import (
     COMPLETIONS_URL,
     SERVED,
     RunningServer,
-    engine_knobs_for,
-    make_tiny_model,
+    final_completions,
+    inprocess_engine,
     sse_events,
 )
 
@@ -30,14 +29,9 @@ GUIDELLM_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True
 PROMPT = "the capital of France is"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-sampling"))
-
-
 @pytest.fixture(scope="module", params=["paged", "vmem"])
-def server(request, model_dir):
-    srv = RunningServer(model_dir, request.param)
+def server(request, tiny_model_dir):
+    srv = RunningServer(tiny_model_dir, request.param)
     yield srv
     srv.stop()
 
@@ -99,27 +93,13 @@ def test_guidellm_stream_options_put_usage_on_every_completion_chunk(server):
     assert all(c["usage"] is None for c in chunks) and all(c["choices"] for c in chunks)
 
 
-def _inprocess(model_dir: Path, backend: str):
-    from vmkv.engine.llm_engine import LLMEngine
-
-    kwargs = engine_knobs_for(model_dir, backend)
-    return LLMEngine.from_args(kwargs.pop("model"), kwargs.pop("kv_backend"), kwargs.pop("device"),
-                               kwargs.pop("dtype"), **kwargs)
-
-
-def test_served_sampling_fields_equal_the_in_process_engine(server, model_dir):
+def test_served_sampling_fields_equal_the_in_process_engine(server, tiny_model_dir):
     from vmkv.engine.sampling_params import SamplingParams
 
-    engine = _inprocess(model_dir, server.backend)
+    engine = inprocess_engine(tiny_model_dir, server.backend)
 
     def offline(params: SamplingParams) -> list:
-        engine.add_request("r", PROMPT, params)
-        final = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final = out
-        return sorted(final.outputs, key=lambda c: c.index)
+        return final_completions(engine, PROMPT, params)
 
     greedy = offline(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     words = greedy.text.split()

@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -342,8 +341,7 @@ def run(args) -> int:
         return 2
     if p.note:
         console.print(p.note)
-    out_dir = Path(args.out or f"vmkv-results/engine-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.out, "engine")
     env = report.environment(seed=args.seed)
     runs: list[dict] = []
     with report.progress(console) as prog:

@@ -415,9 +415,7 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
            "= created; plot `kv_breakdown_<scenario>.png`, raw per step in `raw/*.json` (`token_bytes`, "
            "`reserved_unused_bytes`, `waste_bytes`, `idle_bytes`). Plot `batch_size_<scenario>.png`: sequences "
            "in the running batch per step (Fig. 13).", ""]
-    md += [f"![{p.stem}]({p.name})" for p in plots]
-    (out_dir / "summary.md").write_text("\n".join(md) + "\n")
-    console.print(f"wrote {out_dir}/results.json, summary.md, raw/, {len(plots)} plots")
+    report.write_summary(out_dir, md, plots, console)
 
 
 def _describe_short(runs: list[dict]) -> str:

@@ -18,10 +18,8 @@ Writes ``ipc_bench.json`` (raw samples' medians and the environment) and prints 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import pickle
-import platform
 import statistics
 import tempfile
 import time
@@ -79,6 +77,14 @@ def _pipe_echo(conn: Any, n: int) -> None:
     conn.close()
 
 
+def _round_trip_us(send: Callable[[bytes], Any], recv: Callable[[], Any], payload: bytes, repeats: int) -> float:
+    """Median round trip of ``payload`` to an echoing child (50 untimed first)."""
+    for _ in range(50):
+        send(payload)
+        recv()
+    return _median_us(lambda: (send(payload), recv()), repeats)
+
+
 def _round_trips(payload: bytes, repeats: int) -> dict[str, float]:
     import zmq
 
@@ -92,10 +98,7 @@ def _round_trips(payload: bytes, repeats: int) -> dict[str, float]:
         pull.bind(b)
         child = mp.Process(target=_zmq_echo, args=(a, b, repeats + 50))
         child.start()
-        for _ in range(50):
-            push.send(payload)
-            pull.recv()
-        out["zmq_ipc_round_trip_us"] = _median_us(lambda: (push.send(payload), pull.recv()), repeats)
+        out["zmq_ipc_round_trip_us"] = _round_trip_us(push.send, pull.recv, payload, repeats)
         child.join(30)
         push.close(linger=0)
         pull.close(linger=0)
@@ -103,15 +106,13 @@ def _round_trips(payload: bytes, repeats: int) -> dict[str, float]:
     parent, child_end = mp.Pipe()
     child = mp.Process(target=_pipe_echo, args=(child_end, repeats + 50))
     child.start()
-    for _ in range(50):
-        parent.send_bytes(payload)
-        parent.recv_bytes()
-    out["mp_pipe_round_trip_us"] = _median_us(lambda: (parent.send_bytes(payload), parent.recv_bytes()), repeats)
+    out["mp_pipe_round_trip_us"] = _round_trip_us(parent.send_bytes, parent.recv_bytes, payload, repeats)
     child.join(30)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vmkv.compare import report
     from vmkv.server import core_protocol as proto
 
     p = argparse.ArgumentParser(prog="python -m vmkv.compare.ipc_bench", description=__doc__.splitlines()[0])
@@ -136,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     result["transport"] = _round_trips(packed, r)
-    result["environment"] = {"python": platform.python_version(), "machine": platform.machine(),
-                             "processor": platform.processor(), "cpus": multiprocessing.cpu_count()}
+    result["environment"] = report.environment()
     enc = result["encode_decode_us"]
     print(f"one step of {args.num_requests} requests' outputs")
     print(f"{'encoding':<26}{'bytes':>10}{'encode+decode us':>20}{'vs msgspec':>12}")
@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"round trip of the msgspec message: zmq ipc {t['zmq_ipc_round_trip_us']:.1f} us, "
           f"multiprocessing.Pipe {t['mp_pipe_round_trip_us']:.1f} us")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ipc_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+        report.write_json(Path(args.out) / "ipc_bench.json", result)
     return 0
 
 

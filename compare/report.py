@@ -131,6 +131,20 @@ def to_jsonable(obj: Any, strict: bool = True) -> Any:
 _NUMERIC_ARRAY = re.compile(r"\[\n\s*((?:-?[0-9][0-9.eE+-]*|null)(?:,\n\s*(?:-?[0-9][0-9.eE+-]*|null))*)\n\s*\]")
 
 
+def results_dir(out: str | None, kind: str) -> Path:
+    """``out``, or ``vmkv-results/<kind>-<UTC time>``, created."""
+    path = Path(out or f"vmkv-results/{kind}-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_summary(out_dir: Path, md: list[str], plots: Sequence[Path], console: Any) -> None:
+    """``summary.md`` from ``md`` lines with the ``plots`` embedded, and the console line saying what was written."""
+    md = md + [f"![{p.stem}]({p.name})" for p in plots]
+    (out_dir / "summary.md").write_text("\n".join(md) + "\n")
+    console.print(f"wrote {out_dir}/results.json, summary.md, raw/, {len(plots)} plots")
+
+
 def write_json(path: str | Path, obj: Any, indent: int | None = 1, strict: bool = True) -> Path:
     """Write ``obj`` as JSON (see :func:`to_jsonable`; ``strict=False`` keeps non-finite floats);
     ``indent=None`` for compact raw samples."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -302,8 +301,7 @@ def run(args) -> int:
         return 2
     if plan.note:
         console.print(plan.note)
-    out_dir = Path(args.out or f"vmkv-results/serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.out, "serve")
     env = report.environment(seed=args.seed)
     runs: list[dict] = []
     with report.progress(console) as prog:

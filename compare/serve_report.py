@@ -220,6 +220,4 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
            "engine worker's process (a process waiting on CUDA spin-waits by default: ~1 core means never idle, not "
            "necessarily CPU-bound). Stop: SIGTERM, exit status 0 and no process of the tree left. Raw: "
            "`raw/*.json` (requests), `raw/*.server.log`, `raw/*.client*.json`.", ""]
-    md += [f"![{p.stem}]({p.name})" for p in plots]
-    (out_dir / "summary.md").write_text("\n".join(md) + "\n")
-    console.print(f"wrote {out_dir}/results.json, summary.md, raw/, {len(plots)} plots")
+    report.write_summary(out_dir, md, plots, console)

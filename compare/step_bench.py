@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from pathlib import Path
 
 from vmkv.compare import report
@@ -258,8 +257,7 @@ def run(args) -> int:
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
-    out_dir = Path(args.out or f"vmkv-results/step-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.out, "step")
     env = report.environment(seed=args.seed)
     workers: dict[str, dict] = {}
     points: list[dict] = []

@@ -143,7 +143,7 @@ def test_request_stream_merges_what_a_slow_consumer_skipped():
 
     async def run():
         owner = Owner()
-        stream = RequestStream("r", owner, asyncio.get_running_loop())
+        stream = RequestStream("r", owner)
         a = _output("r", [("He", [1])])
         b = _output("r", [("llo", [2])], so_far=("He", [1]))
         failure = RequestFailedError("r", "request r failed in sampling: boom", b)

@@ -141,9 +141,11 @@ def test_chat_completion(server, tokenizer):
 def test_chat_streaming_matches_non_streamed(server):
     full = server.client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=8, temperature=0,
                                                  extra_body={"ignore_eos": True})
-    chunks = list(server.client.chat.completions.create(
-        model=SERVED, messages=CHAT, max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    # steps slower than the client reads: a consumer that falls behind gets merged chunks, fewer than tokens
+    with server.slowed(0.02):
+        chunks = list(server.client.chat.completions.create(
+            model=SERVED, messages=CHAT, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:-1])

@@ -93,10 +93,9 @@ class RequestStream:
         EngineShutdownError: the engine was shut down before the request finished.
     """
 
-    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, owner: "AsyncEngine") -> None:
         self.request_id = request_id
         self._owner = owner
-        self._loop = loop
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
         self.last: RequestOutput | None = None
@@ -363,7 +362,7 @@ class AsyncEngine:
         req = self.processor.process(prompt, params, prompt_token_ids, cache_salt)
         arrival = time.perf_counter() if arrival_time is None else float(arrival_time)
         state = RequestState(request_id, req.prompt, req.prompt_token_ids, req.params, self.tokenizer, arrival)
-        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        stream = RequestStream(request_id, self)
         core_params = dataclasses.replace(req.params, stop=None, detokenize=False,
                                           output_kind=RequestOutputKind.DELTA)
         self._requests[request_id] = (state, stream)

@@ -31,7 +31,6 @@ import os
 import pickle
 import signal
 import sys
-import time
 from typing import Any, Callable
 
 import zmq

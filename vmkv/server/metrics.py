@@ -3,13 +3,13 @@
 Two kinds:
 
 * engine state, read at scrape time from a fresh ``engine.get_stats()`` snapshot and a fresh
-  :class:`~vmkv.engine.kv_memory.KVMemory` reading (both taken on the engine thread by the ``/metrics``
-  handler, :func:`read_engine_state`): KV used tokens, allocated / mapped / reserved / waste / capacity
+  :class:`~vmkv.engine.kv_memory.KVMemory` reading (both taken in the engine core process, between two
+  steps, for the ``/metrics`` handler: :func:`read_engine_state` through ``AsyncEngine.call``): KV used tokens, allocated / mapped / reserved / waste / capacity
   bytes, the physical KV bytes held (created, in use, idle) and their breakdown (token states, reserved
   but unused, block or page tails, idle; they add up to created) next to the device memory in use, running
   and waiting requests, preemptions, prefix-cache hit rate, steps;
-* per-request observations made when a request finishes (on the engine thread; prometheus_client is
-  thread-safe): time to first token, inter-token latency, end-to-end latency, token counters and
+* per-request observations made when a request finishes (in the front, on the event loop, from the
+  timestamps the front took as the core's messages arrived): time to first token, inter-token latency, end-to-end latency, token counters and
   requests by finish reason.
 
 Names follow the Prometheus conventions: base units (seconds, bytes), ``_total`` for counters.
@@ -41,7 +41,7 @@ _E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60
 
 
 def read_engine_state(engine: Any) -> tuple[Any, KVMemory]:
-    """``(engine.get_stats(), KVMemory of its cache)`` read now; run it on the engine thread
+    """``(engine.get_stats(), KVMemory of its cache)`` read now; run it in the engine core
     (``AsyncEngine.call``), between two steps."""
     return engine.get_stats(), read_kv_memory(engine.kv_cache, engine.device)
 
@@ -152,7 +152,7 @@ class ServerMetrics:
         self._engine.kv_memory = kv_memory if stats is not None else None
 
     def observe_finished(self, out: Any) -> None:
-        """Record one finished ``RequestOutput`` (called on the engine thread)."""
+        """Record one finished ``RequestOutput`` (called on the front's event loop)."""
         m = out.metrics
         arrival = m.arrival_time
         if m.first_token_time is not None and arrival is not None:

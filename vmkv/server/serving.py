@@ -133,7 +133,7 @@ def _finish_reason(reason: str | None) -> str | None:
 
 @dataclass
 class _Prepared:
-    """What the engine thread reports back about one prompt (filled by ``prepare``)."""
+    """What ``prepare`` found out about one prompt (its text for ``echo``, its length)."""
 
     prompt_text: str | None = None
     prompt_len: int = 0

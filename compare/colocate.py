@@ -52,8 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured from the first server after start-up")
     p.add_argument("--kv-reserve", default="256MiB", help="vmem --kv-reserve of each server")
     p.add_argument("--kv-shrink-grace-s", type=float, default=2.0, help="vmem grace period")
-    p.add_argument("--max-span-bytes", default=None,
-                   help="vmem --max-span-bytes of each server, e.g. 256MiB (default: serve's, no spans)")
     p.add_argument("--bursts", type=int, default=4)
     p.add_argument("--burst-prompts", type=int, default=96)
     p.add_argument("--input-len", default="1024..2048")
@@ -112,8 +110,6 @@ def _serve_cmd(args, port: int, kv_bytes: int) -> list[str]:
            str(args.max_num_batched_tokens), "--log-level", "warning"]
     if args.backend == "vmem":
         cmd += ["--kv-reserve", args.kv_reserve, "--kv-shrink-grace-s", str(args.kv_shrink_grace_s)]
-        if args.max_span_bytes is not None:
-            cmd += ["--max-span-bytes", args.max_span_bytes]
     return cmd
 
 

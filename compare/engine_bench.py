@@ -143,7 +143,7 @@ def scenario_name(rate: float) -> str:
 _BACKEND_FLAGS = {"block_size": "block_size", "page_size": "page_size_bytes", "layout": "layout",
                   "driver": "driver", "attention_impl": "attention_impl", "lookahead_tokens": "lookahead_tokens",
                   "preallocate": "preallocate", "kv_reserve_bytes": "kv_reserve_bytes",
-                  "kv_shrink_grace_s": "kv_shrink_grace_s", "max_span_bytes": "max_span_bytes"}
+                  "kv_shrink_grace_s": "kv_shrink_grace_s"}
 #: flags whose name is not their dest with dashes
 _FLAG_NAMES = {"kv_reserve_bytes": "--kv-reserve"}
 

@@ -30,7 +30,7 @@ _VALUE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--m
                 "page_size_bytes": "--page-size-bytes", "layout": "--layout", "driver": "--driver",
                 "attention_impl": "--attention-impl", "lookahead_tokens": "--lookahead-tokens",
                 "kv_reserve_bytes": "--kv-reserve", "kv_shrink_grace_s": "--kv-shrink-grace-s",
-                "max_span_bytes": "--max-span-bytes", "kv_reservation": "--kv-reservation"}
+                "kv_reservation": "--kv-reservation"}
 #: knob -> (flag when True, flag when False); None: a store_true flag, nothing to pass for False
 _BOOL_FLAGS = {"enforce_eager": ("--enforce-eager", None),
                "async_scheduling": ("--async-scheduling", "--no-async-scheduling"),

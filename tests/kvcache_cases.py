@@ -54,21 +54,8 @@ CASES = [
     # pages mapped ahead of seq_len (off the step's critical path): waste and capacity still add up
     Case("vmem-lookahead", "vmem", 12, 64, 256,
          {"driver": "host", "layout": "megacache", "page_size_bytes": 4096, "lookahead_tokens": 20}),
-    # fresh runs of pages as one allocation (spans, page_pool.py): hits and forks on them copy
-    Case("vmem-span", "vmem", 12, 64, 256,
-         {"driver": "host", "layout": "megacache", "page_size_bytes": 4096, "max_span_bytes": 3 * 4096}),
-    Case("vmem-span-per_layer", "vmem", 8, 128, 384,
-         {"driver": "host", "layout": "per_layer", "page_size_bytes": 4096, "max_span_bytes": 2 * 4096}),
 ]
 CASE_IDS = [c.name for c in CASES]
-
-
-def copies_spans(cache: KVCache) -> bool:
-    """Does ``cache`` make spans (vmem ``max_span_bytes``): a prefix hit or fork onto a span's pages
-    copies them instead of sharing, and a span's cached units go when it goes (vmkv.vmem.page_pool,
-    "Spans"), so the sharing properties of the contract hold only as far as that allows."""
-    mapper = getattr(cache, "mapper", None)
-    return mapper is not None and mapper.max_span_pages > 1
 
 
 @contextmanager

@@ -17,7 +17,6 @@ from kvcache_cases import (
     CASE_IDS,
     CASES,
     SPEC,
-    copies_spans,
     allocate_capacity,
     pool_tokens,
     assert_data,
@@ -33,7 +32,7 @@ from vmem_helpers import checked_drivers  # noqa: F401 - autouse: vmem drivers v
 from vmkv import KVCacheFullError, StepSeq
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
-from vmkv.vmem.checked_driver import CheckedDriver
+from checked_driver import CheckedDriver
 
 NUM_HEADS = 4 * SPEC.num_kv_heads  # GQA: 4 query heads per KV head
 
@@ -267,12 +266,9 @@ def test_full_capacity_again_after_free_all(cache, gen):
     for s, n in enumerate([3, 21, 9, 40], start=1):
         cache.allocate(s, n)
         write_all_layers(cache, s, 0, n, gen)
-    try:
-        cache.fork(2, 10)
-        cache.extend(10, 5)
-        write_all_layers(cache, 10, 0, 26, gen)
-    except KVCacheFullError:    # spans: the fork copies the parent's span pages, and may not fit
-        assert copies_spans(cache)
+    cache.fork(2, 10)
+    cache.extend(10, 5)
+    write_all_layers(cache, 10, 0, 26, gen)
     for s in (1, 2, 3, 4, 10):
         if cache.has_seq(s):
             cache.free(s)
@@ -338,14 +334,6 @@ def test_fork_when_full(case, gen):
         parent = next(iter(data))
         n = cache.seq_len(parent)
         assert n % unit_of(cache) != 0, "test wants a partial last unit"
-        if copies_spans(cache) and cache.mapper.plan_share(cache.seqs.get(parent).units,
-                                                           cache.layout.num_units(n)):
-            # a fork copies the parent's span pages: refused when full, nothing changed
-            snap = snapshot(cache, data)
-            with pytest.raises(KVCacheFullError):
-                cache.fork(parent, 1)
-            assert_unchanged(cache, snap, extra_absent=[1])
-            return
         cache.fork(parent, 1)
         assert cache.seq_len(1) == n
         assert_data(cache, 1, data[parent])
@@ -585,9 +573,6 @@ def test_prefix_cache_hit(cache, gen):
     cache.check_integrity()
     check_usage(cache, {1: n, 2: n}, shared=True)
     held = cache.usage().allocated_bytes - cache.usage().waste_bytes
-    if copies_spans(cache):         # the hit units were a span's: copied, counted as copies
-        assert cache.usage().num_cow_copies - u0.num_cow_copies == hit // unit * cache.layout.pages_per_unit
-        return
     assert held <= SPEC.kv_bytes(2 * n - hit), "hit units must be shared, not copied"
 
 
@@ -640,8 +625,7 @@ def test_prefix_hit_is_copy_on_write(cache, gen):
     assert hit > 0
     cow0 = cache.usage().num_cow_copies
     mine = write_all_layers(cache, 2, 0, 1, gen)     # into a shared, prefix-cached unit
-    # (spans: the hit was copied at the allocate already, so the write copies nothing more)
-    assert cache.usage().num_cow_copies > cow0 or copies_spans(cache)
+    assert cache.usage().num_cow_copies > cow0
     assert_data(cache, 1, a)
     assert_data(cache, 2, mine, 0)
     for layer in range(SPEC.num_layers):
@@ -653,8 +637,6 @@ def test_prefix_hit_is_copy_on_write(cache, gen):
 def test_cached_prefix_survives_other_requests_while_memory_is_free(cache, gen):
     """Issue 9: asked, freed, other requests (sharing its first unit, or nothing, alone and two at
     a time) come and go with free memory left; re-asking the prompt hits every full unit."""
-    if copies_spans(cache):
-        pytest.skip("a span goes whole, its cached units with it (vmem max_span_bytes)")
     unit = _prefix_unit(cache)
     n = min(cache.max_model_len, 3 * unit + 1)
     full = (n - 1) // unit * unit
@@ -716,8 +698,6 @@ def test_free_unwritten_drops_only_the_prefix_units_it_registered(cache, gen):
 def test_failed_allocate_counts_no_prefix_lookup(cache, gen):
     """A lookup is counted once per successful allocate: one that raises KVCacheFullError (after
     finding hits) changes nothing, statistics included; the retry that succeeds counts once."""
-    if copies_spans(cache):
-        pytest.skip("the hit is copied, so the retry needs pages for it too (vmem max_span_bytes)")
     unit = _prefix_unit(cache)
     n = min(cache.max_model_len, 2 * unit + 1)
     prompt = torch.randint(0, 1000, (n,), generator=gen).tolist()

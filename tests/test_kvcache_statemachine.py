@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -52,7 +53,8 @@ from vmem_helpers import checked_drivers  # noqa: F401 - autouse: vmem drivers v
 from vmkv import KVCacheFullError, StepSeq
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache import hashing as hashing_mod
-from vmkv.vmem.checked_driver import CheckedDriver
+from vmkv.vmem.elastic import RELEASE_PAGES_PER_CALL, SHRINK_BAND
+from checked_driver import CheckedDriver
 
 STRONG_HASH = hashing_mod.hash_unit_bytes
 
@@ -327,24 +329,38 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.case.backend == "vmem" and self.cache.mapper.num_idle_pages() > 1)
     @rule()
     def release_idle(self) -> None:
-        """Elastic shrink (grace 0, two-page reserve): idle pages beyond the reserve go back to the
-        driver; live sequences keep their K/V (the invariant gathers it), cached prefixes whose pages
-        went are misses afterwards (``allocate`` checks every hit against what was written); the
-        reserve is made of plain free pages while sequences are live (the top-up creates what kept
-        pages do not give), of any idle pages while none is."""
-        mapper, page = self.cache.mapper, self.cache.page_size_bytes
-        idle, created = mapper.num_idle_pages(), mapper.pool.num_created
-        claimed, topped = mapper.num_allocated_pages(), mapper.num_topped_up_pages
-        free_before = self.cache.usage().free_tokens
-        released = self.cache.release_idle()
+        """Elastic shrink (grace 0, two-page reserve; ``vmkv.vmem.elastic``): with no window, the
+        high-water mark is what live sequences claim now; idle pages beyond it (plus half the
+        hysteresis band) and the reserve go back to the driver once the created pages exceed it plus
+        the whole band, at most RELEASE_PAGES_PER_CALL while sequences are live, and nothing while
+        requests wait.  Live sequences keep their K/V (the invariant gathers it), cached prefixes whose
+        pages went are misses afterwards (``allocate`` checks every hit against what was written); the
+        reserve is made of plain free pages while sequences are live, of any idle pages while none is."""
+        cache = self.cache
+        mapper, page, elastic = cache.mapper, cache.page_size_bytes, cache.elastic
+        claimed, topped = mapper.num_allocated_pages(), elastic.num_topped_up_pages
+        created = mapper.pool.num_created
+        free_before = cache.usage().free_tokens
+        live = bool(len(cache.seqs))
+        assert cache.release_idle(num_waiting=1) == 0          # requests waiting: nothing goes
+        released = cache.release_idle()
         assert released % page == 0
-        # host driver: no fence is ever pending, so everything beyond the reserve goes
-        assert mapper.num_idle_pages() == 2, (idle, mapper.num_idle_pages())
-        if len(self.cache.seqs):
-            assert mapper.pool.num_free == 2 or mapper.pool.num_created == mapper.pool.max_pages
-        assert mapper.pool.num_created == created + mapper.num_topped_up_pages - topped - released // page
+        after_top_up = created + elastic.num_topped_up_pages - topped
+        band, reserve = SHRINK_BAND, elastic.reserve_pages
+        if after_top_up <= claimed * (1 + band) + reserve:
+            assert released == 0
+        else:
+            # host driver: no fence is ever pending, so everything the rule allows goes
+            keep = math.ceil(claimed * (1 + band / 2)) + reserve
+            want = after_top_up - keep
+            assert released // page == (min(want, RELEASE_PAGES_PER_CALL) if live else want)
+        assert mapper.pool.num_created == after_top_up - released // page
+        if live:
+            assert mapper.pool.num_free >= 2 or mapper.pool.num_created == mapper.pool.max_pages
+        else:
+            assert mapper.num_idle_pages() >= 2
         assert mapper.num_allocated_pages() == claimed
-        assert self.cache.usage().free_tokens == free_before
+        assert cache.usage().free_tokens == free_before
 
     @precondition(lambda self: self.case.backend == "vmem")
     @rule(data=st.data())

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 TORCH_FREE = ["vmkv.kvcache.errors", "vmkv.kvcache.records", "vmkv.kvcache.hashing",
               "vmkv.kvcache.prefix", "vmkv.kvcache.room", "vmkv.kvcache.seqtable",
               "vmkv.paged.block_pool", "vmkv.paged.block_manager",
-              "vmkv.vmem.protocol", "vmkv.vmem.page_table", "vmkv.vmem.page_pool", "vmkv.vmem.mapper",
-              "vmkv.vmem.slot_ops", "vmkv.vmem.mapper_check", "vmkv.vmem.placement",
-              "vmkv.vmem.layout", "vmkv.vmem.checked_driver"]
+              "vmkv.vmem.protocol", "vmkv.vmem.page_table", "vmkv.vmem.page_pool", "vmkv.vmem.slots",
+              "vmkv.vmem.reclaim", "vmkv.vmem.mapper", "vmkv.vmem.checks", "vmkv.vmem.placement",
+              "vmkv.vmem.elastic", "vmkv.vmem.layout", "checked_driver"]
 
 
 def _run_torch_free(body: str) -> None:
@@ -146,7 +146,7 @@ def make_mapper(layout_name: str, max_pages: int, max_num_seqs: int = 3, max_mod
                 device_pages: int | None = None):
     """A slot mapper over a checked :class:`FakeDriver` with 4 tokens per page (every layout)."""
     from vmkv.kvcache.prefix import PrefixIndex
-    from vmkv.vmem.checked_driver import CheckedDriver
+    from checked_driver import CheckedDriver
     from vmkv.vmem.layout import LAYOUTS, make_layout
     from vmkv.vmem.mapper import SlotMapper
     from vmkv.vmem.page_pool import PagePool

@@ -56,7 +56,7 @@ BACKEND_PACKAGES = ("vmkv.paged", "vmkv.vmem")
 #: modules allowed to name a backend package in a string
 BACKEND_NAMERS = ("vmkv.kvcache.registry",)
 #: the CUDA driver, and the driver-level benchmark (it times compound allocations the driver never makes)
-CUDA_BINDINGS_USERS = ("vmkv.vmem.cuda_driver", "vmkv.vmem.driver_bench")
+CUDA_BINDINGS_USERS = ("vmkv.vmem.cuda_driver", "vmkv.compare.driver_bench")
 
 
 @dataclass(frozen=True)

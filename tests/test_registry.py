@@ -43,8 +43,6 @@ LIMITS = dict(max_num_seqs=3, max_model_len=64, memory_bytes=1 << 20)
     (VMemOptions, "kv_reserve_bytes", -1, "an int >= 0"),
     (VMemOptions, "kv_shrink_grace_s", "5", "a number of seconds (0: at once; negative or inf: never)"),
     (VMemOptions, "kv_shrink_grace_s", float("nan"), "a number of seconds (0: at once; negative or inf: never)"),
-    (VMemOptions, "max_span_bytes", 0, "a positive int or None"),
-    (VMemOptions, "max_span_bytes", 2.0 ** 28, "a positive int or None"),
 ])
 def test_options_reject_a_bad_value_naming_field_value_and_range(cls, field, bad, allowed):
     with pytest.raises(ValueError) as e:
@@ -56,7 +54,7 @@ def test_every_option_field_has_a_rejection_case():
     tested = {("PagedOptions", "block_size"), ("PagedOptions", "enable_prefix_caching")} | {
         ("VMemOptions", f) for f in ("driver", "layout", "page_size_bytes", "enable_prefix_caching",
                                      "lookahead_tokens", "preallocate", "attention_impl", "kv_reserve_bytes",
-                                     "kv_shrink_grace_s", "max_span_bytes")}
+                                     "kv_shrink_grace_s")}
     assert tested == {(c.__name__, f) for c in (PagedOptions, VMemOptions) for f in c.field_names()}
 
 
@@ -65,7 +63,7 @@ def test_options_are_frozen_and_default_to_the_documented_values():
     assert VMemOptions() == VMemOptions(driver="auto", layout="megacache", page_size_bytes=None,
                                         enable_prefix_caching=True, lookahead_tokens=0, preallocate=False,
                                         attention_impl="auto", kv_reserve_bytes=64 << 20,
-                                        kv_shrink_grace_s=10.0, max_span_bytes=None)
+                                        kv_shrink_grace_s=10.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         VMemOptions().layout = "per_layer"  # type: ignore[misc]
     # every value of a name list is accepted

@@ -17,7 +17,7 @@ from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.kvcache.base import KVCache
 from vmkv.vmem import HostDriver, VMemKVCache, VMMError
-from vmkv.vmem.checked_driver import CheckedDriver
+from checked_driver import CheckedDriver
 from vmkv.vmem import backing as backing_mod
 from vmkv.vmem.mapper import SlotMapper
 from vmem_helpers import checked_drivers, random_op  # noqa: F401 - checked_drivers is an autouse fixture
@@ -58,9 +58,9 @@ class CountingDriver(CheckedDriver):
 class PageByPageMapper(SlotMapper):
     """Reference: every page its own batch (map + set_access of one page)."""
 
-    def _map_batch(self, slot, items):
+    def map_batch(self, slot, items):
         for item in items:
-            super()._map_batch(slot, [item])
+            super().map_batch(slot, [item])
 
 
 @pytest.fixture(params=["megacache", "per_layer"])

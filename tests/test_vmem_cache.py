@@ -15,7 +15,7 @@ from vmkv import KVCacheFullError, KVCacheSpec, StepSeq, create_kv_cache
 from vmkv.kernels.reference import attention_one_seq_ref
 from vmkv.kvcache.base import DuplicateSequenceError, KVCacheError, UnknownSequenceError
 from vmkv.vmem import HostDriver, SlotsExhaustedError, VMemKVCache
-from vmkv.vmem.checked_driver import CheckedDriver
+from checked_driver import CheckedDriver
 from vmkv.vmem.driver import VMMError
 from vmem_helpers import checked_drivers, random_kv, random_op, write_all  # noqa: F401 - checked_drivers is an autouse fixture
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 cuda_bindings = pytest.importorskip("cuda.bindings")
 
 from vmkv.vmem import CudaDriver, VMemKVCache, VMMError  # noqa: E402
-from vmkv.vmem.checked_driver import CheckedDriver  # noqa: E402
+from checked_driver import CheckedDriver  # noqa: E402
 from vmem_helpers import checked_drivers, random_kv, write_all  # noqa: E402, F401 - checked_drivers: autouse fixture
 
 MIB = 1024 * 1024

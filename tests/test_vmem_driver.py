@@ -8,8 +8,10 @@ import sys
 import pytest
 import torch
 
-from vmkv.vmem.checked_driver import CheckedDriver
-from vmkv.vmem.driver import HostDriver, VMMError, get_driver
+from checked_driver import CheckedDriver
+from vmkv.vmem.backing import get_driver
+from vmkv.vmem.host_driver import HostDriver
+from vmkv.vmem.protocol import VMMError
 
 PAGE = 4096
 
@@ -299,11 +301,11 @@ def test_thin_driver_keeps_no_mapping_table():
 
 
 def test_driver_bench_counts_every_call_on_the_host_driver(tmp_path):
-    """``python -m vmkv.vmem.driver_bench`` (the per-call cost behind the docs' driver figures) runs on
+    """``python -m vmkv.compare.driver_bench`` (the per-call cost behind the docs' driver figures) runs on
     the host driver and records one sample per call it makes."""
     import json
 
-    from vmkv.vmem import driver_bench
+    from vmkv.compare import driver_bench
 
     assert driver_bench.main(["--out", str(tmp_path), "--device", "cpu", "--num-pages", "4", "--reps", "2",
                               "--page-size-mib", "2"]) == 0

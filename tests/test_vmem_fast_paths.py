@@ -188,7 +188,7 @@ def test_parked_slots_behave_as_released_ones(seed, monkeypatch):
                           driver="host", page_size_bytes=8192, enable_prefix_caching=bool(seed % 2),
                           kv_reserve_bytes=2 * 8192, kv_shrink_grace_s=0.0)
               for _ in range(2)]
-    monkeypatch.setattr(caches[1].mapper, "_park", lambda slot: False)
+    monkeypatch.setattr(caches[1].mapper, "park", lambda slot: False)
     parks = 0
     try:
         lens: dict[int, int] = {}

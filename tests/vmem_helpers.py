@@ -17,8 +17,8 @@ import torch
 
 from vmkv import KVCacheFullError, KVCacheSpec
 from vmkv.vmem import backing as vmem_backing
-from vmkv.vmem.checked_driver import CheckedDriver
-from vmkv.vmem.driver import get_driver
+from checked_driver import CheckedDriver
+from vmkv.vmem.backing import get_driver
 
 
 @pytest.fixture(autouse=True)

@@ -113,7 +113,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     --tensor-parallel-size``) and "KV cache and scheduler" (``--max-num-seqs
     --max-num-batched-tokens --max-model-len --kv-memory (alias --memory-bytes) |
     --gpu-memory-utilization --block-size --page-size-bytes --layout --driver --attention-impl
-    --lookahead-tokens --[no-]preallocate --kv-reserve --kv-shrink-grace-s --max-span-bytes
+    --lookahead-tokens --[no-]preallocate --kv-reserve --kv-shrink-grace-s
     --[no-]enable-prefix-caching --[no-]enable-chunked-prefill --kv-reservation``).
 
     Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`; the
@@ -224,8 +224,6 @@ def add_backend_option_args(g, page_size_flag: str, attention_note: str) -> None
                    metavar="SIZE", help=option_help("kv_reserve_bytes"))
     g.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
                    help=option_help("kv_shrink_grace_s"))
-    g.add_argument("--max-span-bytes", type=parse_size, default=cc.max_span_bytes, metavar="SIZE",
-                   help=option_help("max_span_bytes"))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,7 +240,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
         driver=args.driver, attention_impl=args.attention_impl, lookahead_tokens=args.lookahead_tokens,
         preallocate=args.preallocate, kv_reserve_bytes=args.kv_reserve_bytes,
-        kv_shrink_grace_s=args.kv_shrink_grace_s, max_span_bytes=args.max_span_bytes,
+        kv_shrink_grace_s=args.kv_shrink_grace_s,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         kv_reservation=args.kv_reservation,
     )

@@ -49,7 +49,7 @@ def _option_default(name: str):
 #: ranges and name lists)
 BACKEND_OPTION_FIELDS = ("block_size", "page_size_bytes", "layout", "driver", "enable_prefix_caching",
                          "attention_impl", "lookahead_tokens", "preallocate", "kv_reserve_bytes",
-                         "kv_shrink_grace_s", "max_span_bytes")
+                         "kv_shrink_grace_s")
 #: backend options a backend without them refuses when set (running another attention kernel than the
 #: one asked for would mislabel a measurement); the others are ignored by a backend without them, so one
 #: set of knobs can drive both backends
@@ -85,10 +85,6 @@ class CacheConfig:
             shrink, ``KVCache.release_idle``).
         kv_shrink_grace_s: vmem backend: seconds idle memory stays above the reserve before it is
             released (0: at once; negative or ``inf``: never).
-        max_span_bytes: vmem backend: fresh pages at consecutive positions of one sequence are created
-            as one physical allocation (a span) of up to this many bytes, mapped with one call each
-            (``VMemOptions.max_span_bytes``); prefix hits and forks on a span's pages copy them;
-            ``None``: one allocation per page.
         prefetch_tokens: after enqueuing a step's forward, ask the cache to back this many
             positions past each sampling sequence's length (``KVCache.prefetch``; the vmem backend
             maps pages while the GPU computes); ``None``: 16 on CUDA, 0 on CPU (exact accounting).
@@ -113,7 +109,6 @@ class CacheConfig:
     preallocate: bool = _option_default("preallocate")
     kv_reserve_bytes: int = _option_default("kv_reserve_bytes")
     kv_shrink_grace_s: float = _option_default("kv_shrink_grace_s")
-    max_span_bytes: int | None = _option_default("max_span_bytes")
     prefetch_tokens: int | None = None
 
     def __post_init__(self) -> None:

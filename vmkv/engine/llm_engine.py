@@ -103,6 +103,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
                                   prefetch_tokens=r.prefetch_tokens, cuda_graphs=graphs,
                                   upcoming=self.scheduler.upcoming_admissions,
+                                  num_waiting=self.scheduler.num_waiting,
                                   admission_len=self.scheduler.admission_len,
                                   eos_token_ids=self.eos_token_ids)
         self.requests = RequestTable(self.scheduler)

@@ -91,6 +91,8 @@ class ModelRunner:
         upcoming: ``() -> waiting sequences`` the next step admits first (the scheduler's
             ``upcoming_admissions``); their lengths, token ids and cache salts go to
             ``kv_cache.prefetch_admission`` while the forward runs.
+        num_waiting: ``() -> requests waiting for admission`` (the scheduler's ``num_waiting``),
+            passed to ``kv_cache.release_idle``: memory does not go back while requests wait.
         admission_len: ``(sequence) -> positions its admission backs`` (the scheduler's
             ``admission_len``: a static reservation's length); ``None``: its tokens.
         eos_token_ids: the model's EOS ids, never sampled before a request's ``min_tokens``.
@@ -107,7 +109,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 prefetch_tokens: int = 0, cuda_graphs=None, upcoming=None,
+                 prefetch_tokens: int = 0, cuda_graphs=None, upcoming=None, num_waiting=None,
                  eos_token_ids: tuple[int, ...] = (), admission_len=None) -> None:
         if isinstance(prefetch_tokens, bool) or not isinstance(prefetch_tokens, int) or prefetch_tokens < 0:
             raise ValueError(f"prefetch_tokens must be an int >= 0, got {prefetch_tokens!r}")
@@ -122,6 +124,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.num_graph_steps = 0
         self.upcoming = upcoming
+        self.num_waiting = num_waiting
         self._admission_len = admission_len or (lambda seq: seq.num_tokens)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._pinned: list[torch.Tensor | None] = [None, None]
@@ -275,7 +278,7 @@ class ModelRunner:
     def _release_idle(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.kv_cache.release_idle()
+            self.kv_cache.release_idle(num_waiting=self.num_waiting() if self.num_waiting else 0)
         except Exception as exc:
             if is_fatal_error(exc):
                 raise

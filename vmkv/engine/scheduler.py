@@ -218,6 +218,10 @@ class Scheduler:
         """Running sequences plus the forks their requests will still make."""
         return sum(s.group.num_seats(s) for s in self.running)
 
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission (new, preempted or forks not yet admitted)."""
+        return len(self.waiting)
+
     def upcoming_admissions(self) -> list[Sequence]:
         """The waiting sequences the next step would admit first (within the token budget and the
         free seats): ``kv_cache.prefetch_admission``'s hint."""

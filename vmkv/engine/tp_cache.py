@@ -123,13 +123,13 @@ class ReplicatedKVCache(KVCache):
         self.inner.prefetch_admission(*args)
         self._record("prefetch_admission", args)
 
-    def release_idle(self, now: float | None = None) -> int:
+    def release_idle(self, now: float | None = None, num_waiting: int = 0) -> int:
         """Rank 0's ``release_idle`` at ``now`` (resolved here, so every rank decides at the same
         time); bytes released over all ranks.  A release is sent to the other ranks at once, so they
         give their memory back when rank 0 does, also while no step runs."""
         now = time.monotonic() if now is None else float(now)
-        released = self.inner.release_idle(now)
-        self._record("release_idle", (), {"now": now})
+        released = self.inner.release_idle(now, num_waiting)
+        self._record("release_idle", (), {"now": now, "num_waiting": num_waiting})
         if released:
             self._flush(self.take_ops())
         return released * self.size

@@ -167,14 +167,16 @@ class KVCache(abc.ABC):
             extra_keys: optional, each prompt's prefix-cache extra key (``allocate``'s ``extra_key``).
         """
 
-    def release_idle(self, now: float | None = None) -> int:
+    def release_idle(self, now: float | None = None, num_waiting: int = 0) -> int:
         """Give idle KV memory back to the device (elastic shrink), off the critical path: the engine
         calls it between steps and while it idles, never inside allocate/extend.  vmem releases the
-        pages that stayed idle beyond its reserve for its grace period (``kv_reserve_bytes``,
-        ``kv_shrink_grace_s``); the default (paged: a static pool) releases nothing.
+        pages beyond its reserve and the high-water mark of demand over its grace period, never while
+        requests wait (``kv_reserve_bytes``, ``kv_shrink_grace_s``; vmem's elastic policy); the
+        default (paged: a static pool) releases nothing.
 
         Args:
             now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
+            num_waiting: requests waiting for admission (the scheduler's queue; 0 when unknown).
         Returns:
             Bytes released (0 by default).
         """

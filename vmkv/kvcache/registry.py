@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vmkv.kvcache.options import BackendOptions
 
 __all__ = ["BACKENDS", "backend_choices", "backend_class", "backend_options_class", "option_backends",
-           "create_kv_cache"]
+           "create_kv_cache", "vmm_driver"]
 
 # backend name -> ("module:CacheClass", "module:OptionsClass"); imported only when asked for
 _BACKENDS = {
@@ -58,6 +58,13 @@ def backend_class(backend: str) -> type[KVCache]:
 def backend_options_class(backend: str) -> type[BackendOptions]:
     """The options dataclass of ``backend`` (torch-free).  ValueError if unknown."""
     return _load(_entry(backend)[1])
+
+
+def vmm_driver(kind: str, device, page_size_bytes: int | None = None):
+    """A virtual-memory page driver of the vmem backend (``"cuda"``, ``"host"`` or ``"auto"``; its
+    ``get_driver``), for benchmarks of the driver calls themselves (``vmkv.compare.driver_bench``).
+    Raises ValueError: an unknown kind."""
+    return _load("vmkv.vmem.backing:get_driver")(kind, device, page_size_bytes)
 
 
 def option_backends(name: str) -> tuple[str, ...]:

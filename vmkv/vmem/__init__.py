@@ -9,7 +9,7 @@ import importlib
 _NAMES = {
     "VMemKVCache": "vmkv.vmem.cache", "SlotsExhaustedError": "vmkv.vmem.cache",
     "CudaDriver": "vmkv.vmem.cuda_driver", "VMMDriver": "vmkv.vmem.driver", "VMMError": "vmkv.vmem.protocol",
-    "get_driver": "vmkv.vmem.driver", "HostDriver": "vmkv.vmem.host_driver",
+    "get_driver": "vmkv.vmem.backing", "HostDriver": "vmkv.vmem.host_driver",
     "MegacacheLayout": "vmkv.vmem.layout", "PerLayerLayout": "vmkv.vmem.layout",
     "make_layout": "vmkv.vmem.layout", "VMemOptions": "vmkv.vmem.options",
 }

@@ -7,9 +7,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from vmkv.kvcache.prefix import PrefixIndex
 from vmkv.kvcache.spec import KVCacheSpec
-from vmkv.vmem.driver import VMMDriver, get_driver
+from vmkv.vmem.cuda_driver import CudaDriver
+from vmkv.vmem.driver import VMMDriver
+from vmkv.vmem.host_driver import HostDriver
 from vmkv.vmem.layout import LAYOUTS, VMemLayout, make_layout
 from vmkv.vmem.mapper import SlotMapper
 from vmkv.vmem.page_pool import PagePool
@@ -17,11 +21,27 @@ from vmkv.vmem.placement import default_host_page_size as _host_page_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backing", "build_backing", "default_host_page_size", "GROW_SPAN_PAGES"]
+__all__ = ["Backing", "build_backing", "default_host_page_size", "get_driver"]
 
-#: with spans, a megacache sequence of at least this many units grows by this many at once, one
-#: ready span each (``SlotMapper._claim_plan``; 8 pages of 2 MiB: 128 Llama-3-8B tokens, 16 MiB)
-GROW_SPAN_PAGES = 8
+
+def get_driver(kind: str, device: torch.device | str, page_size_bytes: int | None = None) -> VMMDriver:
+    """Make a driver.
+
+    Args:
+        kind: ``"auto"`` (cuda for a CUDA device, host otherwise), ``"cuda"`` or ``"host"``.
+        device: the KV cache's torch device.
+        page_size_bytes: page size; default 2 MiB granularity (cuda) or 64 KiB (host).
+    Raises:
+        ValueError: unknown kind, or a kind that cannot serve ``device``.
+    """
+    device = torch.device(device)
+    if kind == "auto":
+        kind = "cuda" if device.type == "cuda" else "host"
+    if kind == "cuda":
+        return CudaDriver(device, page_size_bytes)
+    if kind == "host":
+        return HostDriver(device, page_size_bytes)
+    raise ValueError(f"unknown vmem driver {kind!r}; choose 'auto', 'cuda' or 'host'")
 
 
 def default_host_page_size(layout: str, spec: KVCacheSpec, max_model_len: int) -> int:
@@ -70,7 +90,7 @@ def _driver(spec: KVCacheSpec, driver: str | VMMDriver, layout: str, max_model_l
 
 def build_backing(spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, memory_bytes: int,
                   driver: str | VMMDriver, layout: str, page_size_bytes: int | None, preallocate: bool,
-                  prefix: PrefixIndex, max_span_bytes: int | None = None) -> Backing:
+                  prefix: PrefixIndex) -> Backing:
     """Make (or check) the driver, the layout, ``memory_bytes // page_size_bytes`` pages of pool, the
     reservations and their guard pages and the K/V views (arguments as ``VMemKVCache``'s).
 
@@ -96,12 +116,6 @@ def build_backing(spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int, m
                 f"memory_bytes to >= {lay.bytes_per_unit} or lower page_size_bytes")
         pool = PagePool(drv, max_pages, preallocate, prefix)
         mapper = SlotMapper(drv, lay, pool, prefix)
-        if max_span_bytes is not None and preallocate:
-            logger.info("vmem spans off: preallocate creates every page up front, one by one")
-        elif max_span_bytes is not None and getattr(drv, "supports_spans", False):
-            mapper.max_span_pages = max(1, int(max_span_bytes) // page)
-            if lay.num_reservations == 1 and mapper.max_span_pages > 1:   # megacache grows by spans
-                pool.ready_span_pages = min(mapper.max_span_pages, GROW_SPAN_PAGES)
         try:  # kernel launches receive guard addresses, never slot 0's (layout.py, "guard page")
             bases = [drv.as_tensor(va, lay.reservation_bytes) for va in mapper.bases]
             lay.map_guards(drv, mapper.bases)

@@ -5,23 +5,23 @@ without PagedAttention", ASPLOS'25): every request gets a **slot**, a row of a v
 ``[max_num_seqs, max_model_len, ...]`` reserved once; physical **pages** are mapped into the slot only
 as its sequence grows (section 5), so attention reads plain strided tensors and needs no block table.
 Freed slots keep their pages mapped (deferred reclamation, section 6.2) and the next request takes
-the best-fitting one; pages are unmapped when the pool runs short, and idle pages beyond a reserve
-are released to the device after a grace period (:meth:`release_idle`, ``elastic.py``), while
-pages up to the reserve are created ahead of need.  On top of the paper: fork
+the best-fitting one; pages are unmapped when the pool runs short (``reclaim.py``), and what is made
+ahead of need and given back when demand falls is one policy (``elastic.py``).  On top of the paper: fork
 and page-aligned prefix sharing map one physical page into several slots with reference counts, and
 the first write into a shared page copies it (copy-on-write).  See DESIGN.md, "vmem backend".
 
 The sequence table, validation, prefix caching, written marks, the copy-on-write protocol and the
 ``prepare()`` skeleton are the shared core's (:class:`~vmkv.kvcache.core.KVCacheCore`); the page
 bookkeeping is the :class:`~vmkv.vmem.mapper.SlotMapper`'s (torch-free); ``backing.py`` builds the
-driver, layout, pool, mapper and views; ``stats.py`` holds usage, capacity and statistics.  This
-module holds the hooks.
+driver, layout, pool, mapper and views; ``stats.py`` holds views, usage and statistics.  This
+module holds the hooks and the calls the engine makes between steps.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Sequence
 
 import numpy as np
@@ -29,19 +29,19 @@ import torch
 
 from vmkv.kernels import ops
 from vmkv.kvcache.core import KVCacheCore, Room
-from vmkv.kvcache.errors import KVCacheFullError, SlotsExhaustedError
+from vmkv.kvcache.errors import SlotsExhaustedError
 from vmkv.kvcache.metadata import build_metadata, step_token_positions
 from vmkv.kvcache.records import AttentionMetadata, StepSeq
 from vmkv.kvcache.seqtable import SeqState, check_count
 from vmkv.kvcache.spec import KVCacheSpec
 from vmkv.vmem.backing import build_backing, default_host_page_size
 from vmkv.vmem.driver import VMMDriver
-from vmkv.vmem.elastic import IdleWindow
-from vmkv.vmem.mapper import Slot
+from vmkv.vmem.elastic import ElasticPolicy
 from vmkv.vmem.options import (ATTENTION_IMPLS, DEFAULT_KV_RESERVE_BYTES, DEFAULT_KV_SHRINK_GRACE_S,
                                VMemOptions)
-from vmkv.vmem.page_pool import out_of_memory_is_full
+from vmkv.vmem.page_pool import creation_out_of_memory, out_of_memory_is_full
 from vmkv.vmem.placement import pick_fork_slot, pick_slot
+from vmkv.vmem.protocol import VMMError
 from vmkv.vmem.stats import VMemStatsMixin
 
 __all__ = ["VMemKVCache", "SlotsExhaustedError", "default_host_page_size"]
@@ -57,8 +57,8 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         max_num_seqs: slots (live sequences at most).
         max_model_len: positions per slot.
         memory_bytes: physical budget; ``memory_bytes // page_size_bytes`` pages at most.
-        driver: ``"auto"`` | ``"cuda"`` | ``"host"`` or a :class:`VMMDriver` (or a
-            :class:`~vmkv.vmem.checked_driver.CheckedDriver` around one; not closed by the cache).
+        driver: ``"auto"`` | ``"cuda"`` | ``"host"`` or a :class:`VMMDriver` the caller owns (not
+            closed by the cache; tests pass a checked driver around one).
         layout: ``"megacache"`` (one reservation, a page covers all layers of a token range) or
             ``"per_layer"`` (``2 * num_layers`` reservations).
         page_size_bytes: page size; default: CUDA allocation granularity (2 MiB) or
@@ -71,11 +71,10 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         preallocate: create every page up front instead of on first use.
         attention_impl: ``vmkv.kernels.ops.contiguous_attention`` implementation: ``"auto"``,
             ``"triton"``, ``"torch"`` or ``"sdpa"`` (unmodified SDPA on the slot views).
-        kv_reserve_bytes, kv_shrink_grace_s: elastic shrink (:meth:`release_idle`): idle pages beyond
-            ``kv_reserve_bytes`` for ``kv_shrink_grace_s`` seconds are released (0: at once; negative
-            or ``inf``: never; off with ``preallocate``); ``memory_bytes`` is the cap growth stops at.
-        max_span_bytes: runs of fresh pages of one slot are created as one allocation (a span) of up
-            to this many bytes (``VMemOptions.max_span_bytes``); ``None``: one page each.
+        kv_reserve_bytes, kv_shrink_grace_s: elastic memory (:meth:`release_idle`, ``elastic.py``):
+            ``kv_reserve_bytes`` of idle pages are kept ahead of need, and pages beyond the
+            high-water mark of demand over ``kv_shrink_grace_s`` seconds are released (0: at once;
+            negative or ``inf``: never; off with ``preallocate``); ``memory_bytes`` is the cap.
     Raises:
         ValueError: a bad argument (names the value and the allowed range).
         VMMError: a virtual-memory call failed.
@@ -89,22 +88,19 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
                  page_size_bytes: int | None = None, enable_prefix_caching: bool = True,
                  lookahead_tokens: int = 0, preallocate: bool = False,
                  attention_impl: str = "auto", kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
-                 kv_shrink_grace_s: float = DEFAULT_KV_SHRINK_GRACE_S,
-                 max_span_bytes: int | None = None) -> None:
+                 kv_shrink_grace_s: float = DEFAULT_KV_SHRINK_GRACE_S) -> None:
         super().__init__(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          memory_bytes=memory_bytes)
         self.lookahead_tokens = check_count("lookahead_tokens", lookahead_tokens, 0)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         self.attention_impl = attention_impl
-        for name, value in (("kv_reserve_bytes", kv_reserve_bytes), ("kv_shrink_grace_s", kv_shrink_grace_s),
-                            ("max_span_bytes", max_span_bytes)):
+        for name, value in (("kv_reserve_bytes", kv_reserve_bytes), ("kv_shrink_grace_s", kv_shrink_grace_s)):
             VMemOptions.check_field(name, value, owner="VMemKVCache")
         self.kv_reserve_bytes, self.kv_shrink_grace_s = kv_reserve_bytes, float(kv_shrink_grace_s)
         b = build_backing(spec, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                           memory_bytes=self.memory_bytes, driver=driver, layout=layout,
-                          page_size_bytes=page_size_bytes, preallocate=preallocate, prefix=self.prefix,
-                          max_span_bytes=max_span_bytes)
+                          page_size_bytes=page_size_bytes, preallocate=preallocate, prefix=self.prefix)
         self.driver, self._owns_driver, self.layout, self.pool, self.mapper = (
             b.driver, b.owns_driver, b.layout, b.pool, b.mapper)
         self.base_tensors, self._k, self._v = b.base_tensors, b.keys, b.values
@@ -117,44 +113,35 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
                         page, self.layout.tokens_per_page)
         self._prefetch_ns = 0
         self._shared_used_bytes = 0     # bytes counted twice in the sum of seq_len (stats.py)
-        # elastic shrink (elastic.py): a preallocated pool is held for good
-        self._idle_window = IdleWindow(kv_reserve_bytes // page,
-                                       math.inf if preallocate else self.kv_shrink_grace_s)
+        # elastic memory (elastic.py): a preallocated pool is held for good
+        self.elastic = ElasticPolicy(self.mapper, kv_reserve_bytes // page,
+                                     math.inf if preallocate else self.kv_shrink_grace_s,
+                                     self.max_model_len, self.lookahead_tokens)
         self._init_core()
         self._warn_map_count(max_pages)
         logger.info("vmem cache: %s, driver %s, %d pages max", self.layout.describe(), self.driver.name,
                     max_pages)
-
-    # ------------------------------------------------------------------ helpers
-    def _map_ahead(self, slot: Slot, seq_len: int) -> None:
-        if self.lookahead_tokens:
-            target = min(self.max_model_len, seq_len + self.lookahead_tokens)
-            self.mapper.map_ahead(slot, self.layout.num_units(target))
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _plan_allocate(self, n: int, hits: list) -> Room:
         num_units = self.layout.num_units(n)
         hits = [e.handles for e in hits]
         slot = pick_slot(self.mapper, num_units, hits)
-        usable = self.mapper.usable_hits(slot, num_units, hits)   # spans: SlotMapper.usable_hits
-        hits = hits[:usable]
         fresh, available = self.mapper.plan_occupy(slot, num_units, hits)
         page = self.layout.page_size_bytes
         return Room(fresh, available, n, self._free_tokens,
                     lambda: f"needs {fresh} more pages of {page} B, {available} obtainable",
-                    (slot, num_units, hits), num_hits=usable)
+                    (slot, num_units, hits), num_hits=len(hits))
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
         slot, num_units, hit_pages = room.payload
-        table, span_of = self.mapper.table, self.pool.span_of
-        # a hit on a span's page is copied, not shared (mapper.occupy)
+        table = self.mapper.table
         shared = sum(self.layout.unit_used_bytes(n, u) for u, pages in enumerate(hit_pages)
-                     for p in pages if table.num_claimed(p) and p not in span_of) if hit_pages else 0
+                     for p in pages if table.num_claimed(p)) if hit_pages else 0
         with out_of_memory_is_full(self.driver, n):
-            pairs = self.mapper.occupy(slot, seq_id, num_units, hit_pages)
+            self.mapper.occupy(slot, seq_id, num_units, hit_pages)
         self._shared_used_bytes += shared
-        self._copy(pairs)
-        self._map_ahead(slot, n)
+        self.elastic.map_ahead(slot, n)
         return slot, None
 
     def _plan_extend(self, s: SeqState, new_len: int) -> Room | None:
@@ -189,27 +176,16 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
             pairs = self.mapper.grow(s.units, num_units, cow,
                                      copy_below_bytes=s.seq_len * self.layout.row_token_bytes)
         self._shared_used_bytes -= shared
-        self._map_ahead(s.units, new_len)
+        self.elastic.map_ahead(s.units, new_len)
         return pairs
 
     def _share(self, parent: SeqState, child_id):
         num_units = self.layout.num_units(parent.seq_len)
         slot = pick_fork_slot(self.mapper, parent.units, num_units)
-        need = self.mapper.plan_share(parent.units, num_units)     # span pages are copied
-        if need:
-            available = self.mapper.available_pages()
-            if need > available:
-                raise KVCacheFullError(parent.seq_len, 0, f"fork copies {need} pages of spans, "
-                                                          f"{available} obtainable")
         with out_of_memory_is_full(self.driver, parent.seq_len):
-            pairs = self.mapper.share(slot, parent.units, child_id, num_units)
-        if pairs:
-            self._shared_used_bytes += self._shared_bytes_of(slot, range(num_units), parent.seq_len)
-            self._copy(pairs)
-        else:
-            self._shared_used_bytes += (parent.seq_len * self.layout.row_token_bytes
-                                        * self.layout.pages_per_unit)
-        self._map_ahead(slot, parent.seq_len)
+            self.mapper.share(slot, parent.units, child_id, num_units)
+        self._shared_used_bytes += parent.seq_len * self.layout.row_token_bytes * self.layout.pages_per_unit
+        self.elastic.map_ahead(slot, parent.seq_len)
         return slot, None
 
     def _release(self, s: SeqState) -> None:
@@ -261,6 +237,94 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         for src_va, dst_va, *_ in reversed(pairs):
             self.driver.copy_page(dst_va, src_va)
         self.mapper.copied(pairs)
+
+    # ------------------------------------------------------------------ between steps (elastic.py)
+    def prefetch(self, seq_ids: Sequence[int], num_tokens: int) -> None:
+        """Map ahead, off the critical path: back positions up to ``seq_len + num_tokens`` of each
+        live sequence in ``seq_ids`` now (unknown ids are skipped), so the ``extend`` calls that reach
+        them find their pages mapped and make no driver call (vAttention, Prabhu et al., ASPLOS'25,
+        section 6.1: overlap memory allocation with compute).
+
+        Best effort: only free pool pages are used (no reclaiming, no fence wait), units holding a
+        shared page are left alone, ``seq_len`` does not change.  The pages are not claimed: they stay
+        reclaimable, so they count in ``usage().free_tokens`` and ``can_allocate``;
+        ``usage().mapped_bytes`` includes them, ``allocated_bytes`` does not until ``extend`` reaches
+        them.  Then the reserve is topped up.
+
+        Args:
+            seq_ids: sequence ids.
+            num_tokens: look-ahead in positions, an int >= 0 (0 does nothing).
+        Raises:
+            ValueError: ``num_tokens`` is not an int >= 0.  VMMError: a driver call failed (the batch
+            is undone; the cache stays consistent), except a page creation out of memory, which ends
+            the prefetch quietly.  Never KVCacheFullError.
+        """
+        self._check_open()
+        num_tokens = check_count("num_tokens", num_tokens, 0)
+        if not num_tokens:
+            return
+        lookup = self.seqs.lookup
+        targets = ((seq.units, seq.seq_len + num_tokens) for i in seq_ids if (seq := lookup(i)) is not None)
+        self._between_steps(self.elastic.prefetch, targets, bool(len(self.seqs)))
+
+    @property
+    def wants_admission_hints(self) -> bool:
+        return True
+
+    def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
+                           extra_keys: Sequence | None = None) -> None:
+        """Map, off the critical path, the pages of the admissions expected next (prompt lengths in
+        admission order, plus the look-ahead): each gets the free slot :func:`pick_slot` would give it;
+        its prefix-cache hits (when ``token_ids`` are given; looked up without counting) are mapped
+        into it and its other holes filled from free pool pages, all unclaimed, so the ``allocate``
+        that follows finds them in place and makes no driver call.  Then the reserve is topped up.
+        Best effort (a page creation out of memory ends it quietly); never raises KVCacheFullError;
+        time counted with :meth:`prefetch`."""
+        self._check_open()
+
+        def admissions():
+            for i, n in enumerate(num_tokens):
+                hits: list = []
+                ids = None if token_ids is None else token_ids[i]
+                if ids is not None and self.enable_prefix_caching and self.unit_tokens:
+                    extra = None if extra_keys is None else extra_keys[i]
+                    hits = [e.handles for e in self.prefix.lookup(ids, self.unit_tokens, extra).hits]
+                yield n, hits
+        self._between_steps(self.elastic.prefetch_admissions, admissions(), bool(len(self.seqs)))
+
+    def _between_steps(self, fn, *args) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            fn(*args)
+        except VMMError as e:
+            if not creation_out_of_memory(self.driver, e):
+                raise
+        finally:
+            self._prefetch_ns += time.perf_counter_ns() - t0
+
+    def release_idle(self, now: float | None = None, num_waiting: int = 0) -> int:
+        """:meth:`KVCache.release_idle`: top the reserve (``kv_reserve_bytes``) up ahead of need, then
+        give back to the driver (``cuMemUnmap`` + ``cuMemRelease``; host: unmap +
+        ``fallocate(PUNCH_HOLE)``) the idle pages beyond the high-water mark of demand over
+        ``kv_shrink_grace_s``, with hysteresis, nothing while requests wait and at most
+        ``RELEASE_PAGES_PER_CALL`` per call while sequences are live (the rules:
+        :mod:`vmkv.vmem.elastic`).  Never waits for a fence, never touches a claimed page.
+
+        Args:
+            now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
+            num_waiting: requests waiting for admission (the engine's queue).
+        Returns:
+            Bytes released (0 most calls; pages the top-up created are not subtracted).
+        Raises:
+            VMMError: a driver call failed other than a top-up's creation out of memory (the cache
+            stays consistent).
+        """
+        self._check_open()
+        now = time.monotonic() if now is None else float(now)
+        released = self.elastic.release_idle(now, bool(len(self.seqs)), int(num_waiting))
+        if released:
+            logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
+        return released * self.layout.page_size_bytes
 
     # ------------------------------------------------------------------ data hooks
     def _write_rows(self, s: SeqState, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from vmkv.vmem.driver import VMMDriver, VMMError
+from vmkv.vmem.driver import VMMDriver
+from vmkv.vmem.protocol import VMMError
 
 __all__ = ["CudaDriver"]
 
@@ -15,7 +16,8 @@ class CudaDriver(VMMDriver):
     Works in torch's primary context of ``device`` (retained with cuDevicePrimaryCtxRetain and made
     current before every call, so tensors over the reservation are usable by torch).  Pages are
     ``CU_MEM_ALLOCATION_TYPE_PINNED`` device memory of ``page_size_bytes`` (default: the minimum
-    allocation granularity, 2 MiB on Hopper), or spans of several pages in one cuMemCreate; every mapping gets read/write access for the device,
+    allocation granularity, 2 MiB on Hopper; a multiple of it for larger pages); every mapping gets
+    read/write access for the device,
     either with its map (``map(va, h)``) or, for a run of adjacent pages mapped with
     ``set_access=False``, in one cuMemSetAccess over the whole run (``set_access(va, nbytes)``).
     Every ``CUresult`` is checked: a failure raises ``VMMError("cuMemMap failed: CUDA_ERROR_...")``.
@@ -100,22 +102,21 @@ class CudaDriver(VMMDriver):
         self._enter()
         self._check("cuMemAddressFree", self._cu.cuMemAddressFree(va, nbytes))
 
-    def _create_page(self, num_pages: int = 1) -> int:
+    def _create_page(self) -> int:
         self._enter()
-        handle = self._check("cuMemCreate", self._cu.cuMemCreate(self.page_size_bytes * num_pages,
-                                                                 self._prop, 0))
+        handle = self._check("cuMemCreate", self._cu.cuMemCreate(self.page_size_bytes, self._prop, 0))
         key = int(handle)
         self._handles[key] = handle
         return key
 
-    def _release(self, handle: int, num_pages: int = 1) -> None:
+    def _release(self, handle: int) -> None:
         self._enter()
         self._check("cuMemRelease", self._cu.cuMemRelease(self._handles[handle]))
         del self._handles[handle]
 
-    def _map(self, va: int, handle: int, set_access: bool, num_pages: int = 1) -> None:
+    def _map(self, va: int, handle: int, set_access: bool) -> None:
         self._enter()
-        cu, page = self._cu, self.page_size_bytes * num_pages
+        cu, page = self._cu, self.page_size_bytes
         self._check("cuMemMap", cu.cuMemMap(va, page, 0, self._handles[handle], 0))
         if not set_access:
             return
@@ -131,9 +132,9 @@ class CudaDriver(VMMDriver):
         self._enter()
         self._check("cuMemSetAccess", self._cu.cuMemSetAccess(va, nbytes, self._access, 1))
 
-    def _unmap(self, va: int, num_pages: int = 1) -> None:
+    def _unmap(self, va: int) -> None:
         self._enter()
-        self._check("cuMemUnmap", self._cu.cuMemUnmap(va, self.page_size_bytes * num_pages))
+        self._check("cuMemUnmap", self._cu.cuMemUnmap(va, self.page_size_bytes))
 
     def _tensor(self, va: int, nbytes: int) -> torch.Tensor:
         make = getattr(torch._C, "_construct_storage_from_data_pointer", None)

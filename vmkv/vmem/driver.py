@@ -10,8 +10,6 @@ section 5 "CUDA virtual memory APIs"):
     drv.set_access(va, n * page)      # ... then grant access to a contiguous run of mapped pages at once
     t = drv.as_tensor(va, nbytes)     # zero-copy torch view over (mapped parts of) the range
     drv.map_guard(va)                 # a permanently backed page (see "Guard pages" below)
-    s = drv.create_page(num_pages=n)  # a span: one physical allocation of n pages ...
-    drv.map(va, s, num_pages=n)       # ... mapped whole at n adjacent pages (``unmap(va, num_pages=n)``)
 
 * :class:`CudaDriver` (``cuda_driver.py``): CUDA VMM through cuda-python (cuMemAddressReserve, cuMemCreate, cuMemMap,
   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree); page = allocation granularity (2 MiB).
@@ -23,19 +21,19 @@ Callers that map several adjacent pages pass ``set_access=False`` and call :meth
 once per run, which saves the per-call overhead only: cuMemSetAccess costs about the same per
 *allocation* it covers, one page or a run of them (H200, driver 580: 26 us for one 2 MiB page, 3.1 ms
 for a run of 128 separately created pages, 33 us for one 128 MiB allocation;
-``python -m vmkv.vmem.driver_bench``, ``docs/results/h200/issue12/driver_calls_71a21e3/``).  It is the
+``python -m vmkv.compare.driver_bench``, ``docs/results/h200/issue12/driver_calls_71a21e3/``).  It is the
 largest part of mapping a page (cuMemCreate 11 us, cuMemMap 3 us, cuMemUnmap 18 us, cuMemRelease 13 us
-there).  So a run of pages created as **one allocation** (a span, ``create_page(num_pages=n)``)
-costs one cuMemCreate, one cuMemMap and one cuMemSetAccess for the whole run (128 MiB: about 50 us in
-all, against 29 us per 2 MiB page created apart); a span is mapped, unmapped and released only whole
-(mapping part of an allocation is ``CUDA_ERROR_NOT_SUPPORTED``).  The host driver mirrors the two steps: such a page is mapped ``PROT_NONE`` until
+there), so the cost of mapping a byte falls with the page size: ``page_size_bytes`` of 32 MiB (any
+multiple of the granularity) maps 16 times as much per call as the default 2 MiB, at the price of a
+coarser unit of allocation.  The host driver mirrors the two steps: such a page is mapped ``PROT_NONE`` until
 ``set_access`` (``mprotect``) makes it read/write.
 
 The drivers are thin: they keep the reservations (for tensors and teardown) and the guard pages,
 no mapping table and no reference counts (the cache's page table, ``page_table.py``, is the one
 record).  Argument validation (page-aligned addresses inside a reservation, no double map, no
-release of a mapped page, no use after close) is :class:`~vmkv.vmem.checked_driver.CheckedDriver`'s,
-a wrapper tests put around a driver; a failing OS/CUDA call raises :class:`VMMError` naming it.
+release of a mapped page, no use after close) is the tests' checked driver's (``tests/vmem/``), a
+wrapper around a driver that also keeps a mapping table (:meth:`VMMDriver.check_mappings`,
+:attr:`VMMDriver.num_live_pages`); a failing OS/CUDA call raises :class:`VMMError` naming it.
 Touching an unmapped part of a tensor from :meth:`VMMDriver.as_tensor` is a fault (SIGSEGV on the
 host, an illegal address on CUDA); callers only touch mapped pages.
 
@@ -53,39 +51,25 @@ and addresses outside any reservation (backed) from reserved pages.
 from __future__ import annotations
 
 import abc
-import importlib
 import logging
 
 import torch
 
-from vmkv.vmem.guards import GuardPagesMixin
 from vmkv.vmem.protocol import VMMError
 
-__all__ = ["VMMError", "VMMDriver", "HostDriver", "CudaDriver", "get_driver", "DEFAULT_HOST_PAGE_BYTES"]
+__all__ = ["VMMError", "VMMDriver", "DEFAULT_HOST_PAGE_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 #: default page of the host driver (keeps the number of mappings under ``vm.max_map_count``)
 DEFAULT_HOST_PAGE_BYTES = 64 * 1024
 
-# the drivers live in their own modules; ``from vmkv.vmem.driver import HostDriver`` still works
-_LAZY = {"HostDriver": "vmkv.vmem.host_driver", "CudaDriver": "vmkv.vmem.cuda_driver"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class VMMDriver(GuardPagesMixin, abc.ABC):
+class VMMDriver(abc.ABC):
     """The driver protocol: a thin layer over the OS/CUDA calls (no validation; see
     :class:`~vmkv.vmem.checked_driver.CheckedDriver`): the host side of
     :class:`~vmkv.vmem.protocol.PageDriver` plus tensors over the reservations (:meth:`as_tensor`).
 
-    Page handles are opaque ints.  ``map``/``unmap`` work on one page at ``va``, or on the
-    ``num_pages`` adjacent pages of a span (a handle from ``create_page(num_pages)``, always mapped
-    whole).
+    Page handles are opaque ints; ``map``/``unmap`` work on one page at ``va``.
 
     Attributes:
         device: torch device of the tensors from :meth:`as_tensor`.
@@ -113,26 +97,22 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
     @abc.abstractmethod
     def _free_reservation(self, va: int, nbytes: int) -> None: ...
 
-    #: ``create_page(num_pages > 1)`` (spans) is implemented
-    supports_spans = True
+    @abc.abstractmethod
+    def _create_page(self) -> int: ...
 
     @abc.abstractmethod
-    def _create_page(self, num_pages: int = 1) -> int: ...
+    def _release(self, handle: int) -> None: ...
 
     @abc.abstractmethod
-    def _release(self, handle: int, num_pages: int = 1) -> None: ...
-
-    @abc.abstractmethod
-    def _map(self, va: int, handle: int, set_access: bool, num_pages: int = 1) -> None:
-        """Map one page (or the ``num_pages`` of a span, whole); grant read/write access to it too
-        when ``set_access``."""
+    def _map(self, va: int, handle: int, set_access: bool) -> None:
+        """Map one page; grant read/write access to it too when ``set_access``."""
 
     @abc.abstractmethod
     def _set_access(self, va: int, nbytes: int) -> None:
         """Grant read/write access to ``[va, va + nbytes)`` (all mapped, one reservation) in one call."""
 
     @abc.abstractmethod
-    def _unmap(self, va: int, num_pages: int = 1) -> None: ...
+    def _unmap(self, va: int) -> None: ...
 
     @abc.abstractmethod
     def _tensor(self, va: int, nbytes: int) -> torch.Tensor:
@@ -163,16 +143,14 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         self._free_reservation(va, nbytes)
         del self._reservations[va]
 
-    def create_page(self, num_pages: int = 1) -> int:
-        """Create one physical page, or a **span**: one allocation of ``num_pages`` pages (one
-        cuMemCreate of ``num_pages * page_size_bytes``), mapped, unmapped and released only whole.
-        Returns its handle.  Raises VMMError: the creation failed (out of memory: ``out_of_memory``)."""
-        return self._create_page() if num_pages == 1 else self._create_page(int(num_pages))
+    def create_page(self) -> int:
+        """Create one physical page of ``page_size_bytes``; returns its handle.  Raises VMMError: the
+        creation failed (out of memory: ``VMMError.out_of_memory``)."""
+        return self._create_page()
 
-    def release(self, handle: int, num_pages: int = 1) -> None:
-        """Release a page (or a span of ``num_pages``, as created) that is mapped nowhere (call
-        ``unmap`` first)."""
-        self._release(handle) if num_pages == 1 else self._release(handle, int(num_pages))
+    def release(self, handle: int) -> None:
+        """Release a page that is mapped nowhere (call ``unmap`` first)."""
+        self._release(handle)
 
     def _reservation_of(self, op: str, va: int, nbytes: int) -> int:
         for start, size in self._reservations.items():
@@ -180,9 +158,8 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
                 return start
         raise self._invalid(op, f"[{va:#x}, {va + nbytes:#x}) is not inside a reservation")
 
-    def map(self, va: int, handle: int, *, set_access: bool = True, num_pages: int = 1) -> None:
-        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``; a
-        span of ``num_pages`` (its creation's count) backs the ``num_pages`` pages from ``va``.
+    def map(self, va: int, handle: int, *, set_access: bool = True) -> None:
+        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with ``handle``.
 
         Args:
             set_access: also make the page readable/writable (default).  ``False`` leaves it
@@ -191,15 +168,78 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
         Raises:
             VMMError: the map (or access) call failed; nothing is mapped then.
         """
-        if num_pages == 1:
-            self._map(va, handle, bool(set_access))
-        else:
-            self._map(va, handle, bool(set_access), int(num_pages))
+        self._map(va, handle, bool(set_access))
 
-    def unmap(self, va: int, num_pages: int = 1) -> None:
-        """Remove the page (or the span of ``num_pages``) mapped at ``va``; the range stays reserved
-        (and inaccessible)."""
-        self._unmap(va) if num_pages == 1 else self._unmap(va, int(num_pages))
+    def unmap(self, va: int) -> None:
+        """Remove the page mapped at ``va``; the range stays reserved (and inaccessible)."""
+        self._unmap(va)
+
+    def set_access(self, va: int, nbytes: int) -> None:
+        """Make ``[va, va + nbytes)`` readable/writable by the device in one call (cuMemSetAccess /
+        mprotect).  The range must lie in one reservation, start on a page boundary, span whole pages
+        and be fully mapped; pages that already have access may be part of it.
+
+        Raises:
+            VMMError: the call failed; access is unchanged then and the caller decides whether to
+            unmap.
+        """
+        self._set_access(va, int(nbytes))
+
+    def copy_page(self, dst_va: int, src_va: int) -> None:
+        """Copy one page's bytes from ``src_va`` to ``dst_va`` (both mapped; stream ordered on CUDA)."""
+        page = self.page_size_bytes
+        self.as_tensor(dst_va, page).copy_(self.as_tensor(src_va, page))
+
+    # ------------------------------------------------------------------ guard pages
+    def map_guard(self, va: int) -> None:
+        """Back the page at ``va`` (a page boundary of a reservation, unmapped) with the driver's guard
+        page, readable/writable, until the reservation is freed (module docstring, "Guard pages").
+        The guard page is one physical page created on the first call and mapped at every guard
+        address; nothing may rely on its contents.
+        Raises:
+            VMMError: a driver call failed (nothing changes then).
+        """
+        created = self._guard_handle is None
+        if created:
+            self._guard_handle = self._create_page()
+        try:
+            self._map(va, self._guard_handle, True)
+        except BaseException:
+            if created:
+                self._release(self._guard_handle)
+                self._guard_handle = None
+            raise
+        self._guards.add(va)
+
+    @property
+    def num_guards(self) -> int:
+        return len(self._guards)
+
+    def page_state(self, addr: int) -> str:
+        """What backs byte address ``addr``, as far as this thin driver knows: ``"outside"`` (in no
+        reservation: ordinary memory), ``"guard"``, or ``"reserved"`` (some other page of a
+        reservation, mapped or not: the page table knows)."""
+        addr = int(addr)
+        for start, size in self._reservations.items():
+            if start <= addr < start + size:
+                va = start + (addr - start) // self.page_size_bytes * self.page_size_bytes
+                return "guard" if va in self._guards else "reserved"
+        return "outside"
+
+    def is_backed(self, addr: int) -> bool:
+        """Whether ``addr`` is backed whatever is mapped (a guard page or outside every reservation):
+        what an anchor of a kernel launch must be."""
+        return self.page_state(addr) in ("outside", "guard")
+
+    # ------------------------------------------------------------------ checks (a thin driver has no table)
+    def check_mappings(self, expected: dict[int, int]) -> None:
+        """Compare the driver's own mapping table with ``expected`` (``va -> page``, guards aside);
+        a thin driver keeps none and accepts anything.  Raises AssertionError on a difference."""
+
+    @property
+    def num_live_pages(self) -> int | None:
+        """Created and not released pages, guards aside, where the driver counts them, else ``None``."""
+        return None
 
     def as_tensor(self, va: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Zero-copy 1-D tensor over ``[va, va + nbytes)`` inside one reservation.
@@ -247,25 +287,3 @@ class VMMDriver(GuardPagesMixin, abc.ABC):
 
     def _close(self) -> None:
         """Driver-specific teardown after everything is released."""
-
-
-def get_driver(kind: str, device: torch.device | str, page_size_bytes: int | None = None) -> VMMDriver:
-    """Make a driver.
-
-    Args:
-        kind: ``"auto"`` (cuda for a CUDA device, host otherwise), ``"cuda"`` or ``"host"``.
-        device: the KV cache's torch device.
-        page_size_bytes: page size; default 2 MiB granularity (cuda) or 64 KiB (host).
-    Raises:
-        ValueError: unknown kind, or a kind that cannot serve ``device``.
-    """
-    device = torch.device(device)
-    if kind == "auto":
-        kind = "cuda" if device.type == "cuda" else "host"
-    if kind == "cuda":
-        from vmkv.vmem.cuda_driver import CudaDriver  # noqa: PLC0415
-        return CudaDriver(device, page_size_bytes)
-    if kind == "host":
-        from vmkv.vmem.host_driver import HostDriver  # noqa: PLC0415
-        return HostDriver(device, page_size_bytes)
-    raise ValueError(f"unknown vmem driver {kind!r}; choose 'auto', 'cuda' or 'host'")

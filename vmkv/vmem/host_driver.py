@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from vmkv.vmem.driver import DEFAULT_HOST_PAGE_BYTES, VMMDriver, VMMError
+from vmkv.vmem.driver import DEFAULT_HOST_PAGE_BYTES, VMMDriver
+from vmkv.vmem.protocol import VMMError
 
 __all__ = ["HostDriver"]
 
@@ -31,8 +32,7 @@ class HostDriver(VMMDriver):
 
     Reservation: ``mmap(NULL, n, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``.  Physical pool:
     one ``memfd_create`` file grown with ``ftruncate``; a page handle is the page's byte offset in
-    it, released offsets are reused (their memory is returned with ``fallocate(PUNCH_HOLE)``); a span of
-    ``n`` pages is ``n`` adjacent offsets, mapped with one ``mmap``.
+    it, released offsets are reused (their memory is returned with ``fallocate(PUNCH_HOLE)``).
     Map: ``mmap(va, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, fd, offset)``, so two
     addresses mapping one handle share memory.  Unmap: re-map ``PROT_NONE`` anonymous over the page,
     which keeps the range reserved.
@@ -92,30 +92,28 @@ class HostDriver(VMMDriver):
         if self._libc.munmap(va, nbytes) != 0:
             raise self._fail("munmap", f"{va:#x}+{nbytes}")
 
-    def _create_page(self, num_pages: int = 1) -> int:
-        if num_pages == 1 and self._free_offsets:
+    def _create_page(self) -> int:
+        if self._free_offsets:
             return self._free_offsets.pop()
-        # a span takes adjacent offsets at the end of the file (released ones are reused one by one)
         page = self.page_size_bytes
         offset = self._file_pages * page
-        if self._libc.ftruncate(self._fd, offset + num_pages * page) != 0:
-            raise self._fail("ftruncate", f"grow the page file to {offset + num_pages * page} bytes")
-        self._file_pages += num_pages
+        if self._libc.ftruncate(self._fd, offset + page) != 0:
+            raise self._fail("ftruncate", f"grow the page file to {offset + page} bytes")
+        self._file_pages += 1
         return offset
 
-    def _release(self, handle: int, num_pages: int = 1) -> None:
-        # give the memory back to the OS; the next page created at these offsets reads as zeros
+    def _release(self, handle: int) -> None:
+        # give the memory back to the OS; the next page created at this offset reads as zeros
         page = self.page_size_bytes
-        if self._libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle,
-                                num_pages * page) != 0:
-            raise self._fail("fallocate", f"punch hole at offset {handle}+{num_pages * page}")
-        self._free_offsets.extend(handle + i * page for i in range(num_pages))
+        if self._libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle, page) != 0:
+            raise self._fail("fallocate", f"punch hole at offset {handle}+{page}")
+        self._free_offsets.append(handle)
 
-    def _map(self, va: int, handle: int, set_access: bool, num_pages: int = 1) -> None:
+    def _map(self, va: int, handle: int, set_access: bool) -> None:
         # without set_access the page is mapped PROT_NONE, like a CUDA mapping before cuMemSetAccess
         prot = _PROT_READ | _PROT_WRITE if set_access else _PROT_NONE
-        ret = self._mmap(va, self.page_size_bytes * num_pages, prot, _MAP_SHARED | _MAP_FIXED,
-                         self._fd, handle, f"map {num_pages} page(s) at offset {handle} to {va:#x}")
+        ret = self._mmap(va, self.page_size_bytes, prot, _MAP_SHARED | _MAP_FIXED,
+                         self._fd, handle, f"map the page at offset {handle} to {va:#x}")
         if ret != va:  # MAP_FIXED never moves; a different address means the kernel ignored it
             raise VMMError("mmap", "EFAULT", f"MAP_FIXED returned {ret:#x}, wanted {va:#x}")
 
@@ -123,8 +121,8 @@ class HostDriver(VMMDriver):
         if self._libc.mprotect(va, nbytes, _PROT_READ | _PROT_WRITE) != 0:
             raise self._fail("mprotect", f"{va:#x}+{nbytes} PROT_READ|PROT_WRITE")
 
-    def _unmap(self, va: int, num_pages: int = 1) -> None:
-        self._mmap(va, self.page_size_bytes * num_pages, _PROT_NONE,
+    def _unmap(self, va: int) -> None:
+        self._mmap(va, self.page_size_bytes, _PROT_NONE,
                    _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0,
                    f"re-reserve {va:#x} PROT_NONE")
 

@@ -67,15 +67,9 @@ class VMemOptions(BackendOptions):
             while sequences are live (grows find them without ``cuMemCreate``), mapped in a freed
             slot while none is (the next admission adopts them without a map call).  The cap is
             the cache's ``memory_bytes`` (``--kv-memory``).
-        max_span_bytes: the largest **span**: fresh pages at consecutive positions of one slot (an
-            admission's prompt, a fork's copies) are created as one physical allocation of up to
-            this many bytes, so mapping them costs one cuMemCreate, cuMemMap and cuMemSetAccess
-            instead of one of each per page (``vmkv.vmem.page_pool``, "Spans").  A span is mapped in
-            one slot only: a prefix hit or a fork onto its pages copies them instead of sharing,
-            and it is released whole.  ``None``: every page is its own allocation (also with
-            ``preallocate``, which creates every page up front).
-        kv_shrink_grace_s: seconds idle memory must stay above the reserve before it is released; 0:
-            at once, negative or ``inf``: never (the pool only grows).  ``preallocate`` turns it off.
+        kv_shrink_grace_s: the shrink's window: memory beyond the reserve and the high-water mark
+            of demand over this many seconds is released (never while requests wait; ``elastic.py``);
+            0: at once, negative or ``inf``: never (the pool only grows).  ``preallocate`` turns it off.
     Raises:
         ValueError: a field is out of range (the message names field, value and range).
     """
@@ -96,11 +90,6 @@ class VMemOptions(BackendOptions):
     kv_reserve_bytes: int = option(DEFAULT_KV_RESERVE_BYTES, non_negative_int(),
                                    "vmem: idle KV memory kept after a shrink, e.g. 64MiB; paged keeps "
                                    "its whole static pool (default: 64 MiB)")
-    max_span_bytes: int | None = option(None, positive_int(allow_none=True),
-                                        "vmem: largest physical allocation for a run of fresh pages of "
-                                        "one sequence, e.g. 256MiB (one map call for the run; prefix "
-                                        "hits and forks on it copy instead of sharing; default: one "
-                                        "page)")
     kv_shrink_grace_s: float = option(DEFAULT_KV_SHRINK_GRACE_S, _grace_check(),
                                       "vmem: seconds KV memory stays idle above the reserve before it "
                                       "is released to the device (0: at once; -1 or inf: never); "

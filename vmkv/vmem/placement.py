@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from vmkv.vmem.mapper import Slot, SlotMapper
+if TYPE_CHECKING:
+    from vmkv.vmem.mapper import SlotMapper
+    from vmkv.vmem.slots import Slot
 
 __all__ = ["default_host_page_size", "pick_slot", "pick_fork_slot", "HOST_TARGET_PAGE_BYTES"]
 
@@ -35,8 +37,7 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
               exclude: frozenset = frozenset()) -> Slot | None:
     """Best fit among free slots: fewest driver calls to occupy it (a prefix-hit page already in
     place costs none, a hole one map, a page to replace or a cached prefix page to move out an
-    unmap and a map; a cached page of a span, which cannot move out, more than any slot that keeps
-    the cache whole while the pool has room); then the kept mapping closest to ``num_units`` from above (else the largest
+    unmap and a map); then the kept mapping closest to ``num_units`` from above (else the largest
     below); then the lowest index."""
     entries, num_res, num_hits = mapper.table.entries, mapper.num_res, len(hits)
     if not num_hits and not len(mapper.prefix):
@@ -52,11 +53,6 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
     is_cached = mapper.prefix.is_cached if len(mapper.prefix) else frozenset().__contains__
     # no hit, and no page of the slot shared, none cached: each kept page below num_units saves its map
     unshared = mapper.unshared if not num_hits else lambda s: False
-    # a cached page of a span cannot move out (a span is unmapped only whole): overwriting it loses
-    # the cached unit, so while the pool can back the admission without reclaiming, a slot that
-    # keeps the cache whole goes first
-    span_of = mapper.pool.span_of
-    lost = num_units * num_res + 1 if span_of and mapper.pool.num_plain_available >= num_units * num_res else 0
 
     def calls(s: Slot) -> int:
         if unshared(s):
@@ -73,10 +69,7 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
                 continue
             for p in pages:
                 if p is not None:
-                    cached = is_cached(p)
-                    n += 1 if len(entries[p].slots) > 1 or cached else -1
-                    if lost and cached and p in span_of:
-                        n += lost
+                    n += 1 if len(entries[p].slots) > 1 or is_cached(p) else -1
         return n
 
     def lower_key(s: Slot):

@@ -1,29 +1,19 @@
-"""The vmem cache's views, introspection and off-critical-path work: slot views, usage, map/unmap statistics,
-integrity checks and prefetch (a mixin of :class:`~vmkv.vmem.cache.VMemKVCache`)."""
+"""The vmem cache's views and introspection: slot views, capacity, usage, map/unmap statistics and
+integrity checks (a mixin of :class:`~vmkv.vmem.cache.VMemKVCache`)."""
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from vmkv.kvcache.seqtable import check_count
-from vmkv.vmem.page_pool import creation_out_of_memory
-from vmkv.vmem.placement import pick_slot
-from vmkv.vmem.protocol import VMMError
+from vmkv.vmem.checks import check_mapper, mapper_stats
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VMemStatsMixin", "RELEASE_PAGES_PER_CALL", "TOP_UP_PAGES_PER_CALL"]
+__all__ = ["VMemStatsMixin"]
 
 logger = logging.getLogger(__name__)
-
-#: pages :meth:`VMemStatsMixin.release_idle` releases per call at most while sequences are live
-RELEASE_PAGES_PER_CALL = 32
-#: pages a top-up (:meth:`VMemStatsMixin.release_idle`, :meth:`VMemStatsMixin.prefetch`) creates per
-#: call at most while sequences are live (the whole reserve when none is)
-TOP_UP_PAGES_PER_CALL = 32
 
 
 class VMemStatsMixin:
@@ -50,139 +40,6 @@ class VMemStatsMixin:
         self._check_open()
         self._check_layer(layer)
         return self._v[layer]
-
-    def prefetch(self, seq_ids: Sequence[int], num_tokens: int) -> None:
-        """Map ahead, off the critical path: back positions up to ``seq_len + num_tokens`` of each
-        live sequence in ``seq_ids`` now (unknown ids are skipped), so the ``extend`` calls that
-        reach them find their pages mapped and make no driver call (vAttention, Prabhu et al.,
-        ASPLOS'25, section 6.1: overlap memory allocation with compute).
-
-        Best effort: only free pool pages are used (no reclaiming, no fence wait), units holding
-        a shared page are left alone, ``seq_len`` does not change.  The pages are not claimed: they
-        stay reclaimable, so they count in ``usage().free_tokens`` and ``can_allocate`` and an
-        admission that needs them unmaps them; ``usage().mapped_bytes`` includes them,
-        ``allocated_bytes`` does not until ``extend`` reaches them.  Each sequence's pages are
-        mapped in one batch (one ``set_access`` per run of adjacent pages).  Then the reserve is
-        topped up (:meth:`release_idle`).
-
-        Args:
-            seq_ids: sequence ids.
-            num_tokens: look-ahead in positions, an int >= 0 (0 does nothing).
-        Raises:
-            ValueError: ``num_tokens`` is not an int >= 0.  VMMError: a driver call failed (the
-            batch is undone; the cache stays consistent), except a page creation out of memory,
-            which ends the prefetch quietly.  Never KVCacheFullError.
-        """
-        self._check_open()
-        num_tokens = check_count("num_tokens", num_tokens, 0)
-        if not num_tokens:
-            return
-        t0 = time.perf_counter_ns()
-        try:
-            mapper, lookup, num_units = self.mapper, self.seqs.lookup, self.layout.num_units
-            available = mapper.pool.num_available          # changes only when pages get mapped
-            for seq_id in seq_ids:
-                if available == 0:
-                    break
-                seq = lookup(seq_id)
-                if seq is None:
-                    continue
-                if mapper.prefetch(seq.units, num_units(min(self.max_model_len, seq.seq_len + num_tokens))):
-                    available = mapper.pool.num_available
-            self._top_up()
-        except VMMError as e:
-            if not creation_out_of_memory(self.driver, e):
-                raise
-        finally:
-            self._prefetch_ns += time.perf_counter_ns() - t0
-
-    @property
-    def wants_admission_hints(self) -> bool:
-        return True
-
-    def prefetch_admission(self, num_tokens: Sequence[int], token_ids: Sequence | None = None,
-                           extra_keys: Sequence | None = None) -> None:
-        """Map, off the critical path, the pages of the admissions expected next (prompt lengths in
-        admission order, plus the look-ahead): each gets the free slot :func:`pick_slot` would give
-        it; its prefix-cache hits (when ``token_ids`` are given; looked up without counting) are
-        mapped into it, and its other holes filled from free pool pages, all unclaimed
-        (:meth:`SlotMapper.prefetch`; no reclaiming, no fence wait), so the ``allocate`` that follows
-        finds them in place and makes no driver call.  Then the reserve is topped up (:meth:`release_idle`).
-        Best effort (a page creation out of memory ends it quietly); never raises KVCacheFullError;
-        time counted with :meth:`prefetch`."""
-        self._check_open()
-        t0 = time.perf_counter_ns()
-        taken: set[int] = set()
-        try:
-            for i, n in enumerate(num_tokens):
-                if self.mapper.pool.num_plain_available == 0:
-                    break
-                hits: list = []
-                ids = None if token_ids is None else token_ids[i]
-                if ids is not None and self.enable_prefix_caching and self.unit_tokens:
-                    extra = None if extra_keys is None else extra_keys[i]
-                    hits = [e.handles for e in self.prefix.lookup(ids, self.unit_tokens, extra).hits]
-                units = self.layout.num_units(min(self.max_model_len, int(n) + self.lookahead_tokens))
-                slot = pick_slot(self.mapper, units, hits, frozenset(taken))
-                if slot is None:
-                    break
-                taken.add(slot.index)
-                self.mapper.prefetch(slot, units, hits)
-            self._top_up()
-        except VMMError as e:
-            if not creation_out_of_memory(self.driver, e):
-                raise
-        finally:
-            self._prefetch_ns += time.perf_counter_ns() - t0
-
-    def release_idle(self, now: float | None = None) -> int:
-        """:meth:`KVCache.release_idle`: give idle physical pages back to the driver (``cuMemUnmap`` +
-        ``cuMemRelease``; host: unmap + ``fallocate(PUNCH_HOLE)``) once they have stayed above
-        ``kv_reserve_bytes`` for ``kv_shrink_grace_s`` (rules and order: :mod:`vmkv.vmem.elastic`).
-        Never waits for a fence (a page whose kernels may still run waits for a later call), never
-        touches a claimed page; while sequences are live at most :data:`RELEASE_PAGES_PER_CALL` pages
-        go per call (the step's critical path stays short), all of them when none is.
-
-        First it tops the reserve up ahead of need: while fewer than ``kv_reserve_bytes`` of pages
-        are plain free (while sequences are live: kept pages of freed slots do not count) or idle
-        (while none is; :mod:`vmkv.vmem.elastic`), plain free pages are created (never beyond
-        ``memory_bytes``; at most :data:`TOP_UP_PAGES_PER_CALL` per call while sequences are live),
-        so the next grows and admissions find created pages; a creation out of memory ends the
-        top-up quietly (``backend_stats()["num_topped_up_pages"]`` counts them).  A span
-        (:mod:`vmkv.vmem.page_pool`) is released only whole, which can take the idle pages below
-        the reserve; the top-up runs again after the release and creates them back.
-
-        Args:
-            now: ``time.monotonic()`` seconds (default: now); tests pass a fake clock.
-        Returns:
-            Bytes released (0 most calls; pages the top-up created are not subtracted).
-        Raises:
-            VMMError: a driver call failed other than a top-up's creation out of memory (the cache
-            stays consistent).
-        """
-        self._check_open()
-        now = time.monotonic() if now is None else float(now)
-        self._top_up()                  # first, so that the window sees the reserve as idle
-        num = self._idle_window.observe(now, self.mapper.num_idle_pages())
-        released = 0
-        if num > 0:
-            if len(self.seqs):
-                num = min(num, RELEASE_PAGES_PER_CALL)
-            keep_free, keep_spans = (self.mapper.reserve_split(self._idle_window.reserve_pages)
-                                     if len(self.seqs) else (0, 0))
-            released = self.mapper.release_idle_pages(num, keep_free=keep_free, keep_spans=keep_spans)
-            self._idle_window.released(released)
-            if released:
-                logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
-                self._top_up()          # a span goes whole: what it took below the reserve comes back
-        return released * self.layout.page_size_bytes
-
-    def _top_up(self) -> int:
-        """Create pages until ``kv_reserve_bytes`` are plain free, or idle while no sequence is live
-        (:meth:`ElasticMixin.top_up_idle`)."""
-        live = bool(len(self.seqs))
-        limit = TOP_UP_PAGES_PER_CALL if live else self.pool.max_pages
-        return self.mapper.top_up_idle(self._idle_window.reserve_pages, limit, live)
 
     # ------------------------------------------------------------------ capacity
     def _free_tokens(self) -> int:
@@ -260,8 +117,9 @@ class VMemStatsMixin:
         ``prefetch_time_us`` / ``num_prefetched_pages``: time and pages of :meth:`prefetch` (not in
         ``alloc_time_us``)."""
         self._check_open()
-        stats = self.mapper.stats()
+        stats = mapper_stats(self.mapper)
         stats.update({
+            "num_topped_up_pages": self.elastic.num_topped_up_pages,
             "num_cow_copies": self.num_cow_copies,
             "alloc_time_us": self._alloc_ns / 1e3,
             "prefetch_time_us": self._prefetch_ns / 1e3,
@@ -296,7 +154,7 @@ class VMemStatsMixin:
         return list(self.mapper.map_batch_us), list(self.mapper.pages_per_batch)
 
     def _check_units(self) -> None:
-        self.mapper.check_integrity()
+        check_mapper(self.mapper)
         self._check_usage()
         unbacked = self.layout.unbacked_anchors(self.driver, self.base_tensors)
         if unbacked:

@@ -1,15 +1,15 @@
 """``CheckedDriver``: a driver that validates every call before passing it to a thin driver.
 
-The drivers (:class:`~vmkv.vmem.host_driver.HostDriver`, :class:`~vmkv.vmem.cuda_driver.CudaDriver`)
-are thin wrappers over the OS / CUDA calls and keep no mapping table: the cache's page table
+A test aid (not part of the package).  The drivers (:class:`~vmkv.vmem.host_driver.HostDriver`,
+:class:`~vmkv.vmem.cuda_driver.CudaDriver`) are thin wrappers over the OS / CUDA calls and keep no mapping table: the cache's page table
 (``page_table.py``) is the one record of what is mapped.  Tests wrap a driver in this class to
 catch misuse with a typed :class:`~vmkv.vmem.protocol.VMMError` naming the call (what the real call
 would do is undefined or a sticky CUDA error): a double map, unmapping an unmapped address, an
 address outside a reservation or off a page boundary, releasing a mapped or unknown page, access
-to an unmapped range, using a closed driver, mapping or releasing part of a span.  It keeps its own mapping table, so it also tells an
-unmapped address from a mapped one (:meth:`page_state`) and lets
-:meth:`~vmkv.vmem.mapper.SlotMapper.check_integrity` compare the page table with what is mapped
-(:meth:`check_mappings`).  Torch-free: :meth:`as_tensor` is the wrapped driver's.
+to an unmapped range, using a closed driver.  It keeps its own mapping table, so it also tells an
+unmapped address from a mapped one (:meth:`page_state`) and lets the mapper's integrity check
+(:func:`vmkv.vmem.checks.check_mapper`) compare the page table with what is mapped
+(:meth:`check_mappings`, :attr:`num_live_pages`).  Torch-free: :meth:`as_tensor` is the wrapped driver's.
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ class CheckedDriver:
     def __init__(self, driver) -> None:
         self.inner = driver
         self._reservations: dict[int, int] = {}        # va -> nbytes
-        self._mappings: dict[int, object] = {}         # va -> page handle, or (span handle, index)
+        self._mappings: dict[int, int] = {}            # va -> page handle
         self._page_map_count: dict[int, int] = {}      # live page handle -> number of mappings
-        self._span_pages: dict[int, int] = {}          # live span handle -> its pages
         self._no_access: set[int] = set()              # mapped va whose access is not set yet
         self._guards: set[int] = set()
         self._closed = False
@@ -85,29 +84,13 @@ class CheckedDriver:
         self._guards = {g for g in self._guards if not va <= g < va + nbytes}
         del self._reservations[va]
 
-    def _inner(self, op: str, *args, num_pages: int = 1, **kwargs):
-        """The wrapped driver's ``op``; ``num_pages`` passed only for a span (a wrapped driver without
-        spans takes the single-page calls as before)."""
-        fn = getattr(self.inner, op)
-        return fn(*args, **kwargs) if num_pages == 1 else fn(*args, num_pages=num_pages, **kwargs)
-
-    def _num_pages_of(self, op: str, handle: int, num_pages: int) -> None:
-        n = self._span_pages.get(handle, 1)
-        if int(num_pages) != n:
-            raise self._invalid(op, f"handle {handle} is {'a span of ' if n > 1 else ''}{n} page(s), "
-                                    f"not {num_pages}: a span is mapped, unmapped and released whole")
-
-    def create_page(self, num_pages: int = 1) -> int:
+    def create_page(self) -> int:
         self._check_open("create_page")
-        if int(num_pages) < 1:
-            raise self._invalid("create_page", f"num_pages={num_pages} must be >= 1")
-        handle = self._inner("create_page", num_pages=num_pages)
+        handle = self.inner.create_page()
         self._page_map_count[handle] = 0
-        if num_pages != 1:
-            self._span_pages[handle] = int(num_pages)
         return handle
 
-    def release(self, handle: int, num_pages: int = 1) -> None:
+    def release(self, handle: int) -> None:
         self._check_open("release")
         count = self._page_map_count.get(handle)
         if count is None:
@@ -115,51 +98,36 @@ class CheckedDriver:
         if count:
             raise self._invalid("release", f"page {handle} is still mapped at {count} addresses; "
                                            f"unmap it first")
-        self._num_pages_of("release", handle, num_pages)
-        self._inner("release", handle, num_pages=num_pages)
+        self.inner.release(handle)
         del self._page_map_count[handle]
-        self._span_pages.pop(handle, None)
 
-    def map(self, va: int, handle: int, *, set_access: bool = True, num_pages: int = 1) -> None:
+    def map(self, va: int, handle: int, *, set_access: bool = True) -> None:
         self._check_open("map")
         self._check_page_va("map", va)
         if handle not in self._page_map_count:
             raise self._invalid("map", f"unknown or released page handle {handle}")
-        self._num_pages_of("map", handle, num_pages)
-        page = self.inner.page_size_bytes
-        vas = [va + i * page for i in range(int(num_pages))]
-        self._reservation_of("map", va, len(vas) * page)
-        for a in vas:
-            if a in self._mappings:
-                raise self._invalid("map", f"va={a:#x} is already mapped; unmap it first")
-            if a in self._guards:
-                raise self._invalid("map", f"va={a:#x} is a guard page (mapped for the reservation's "
-                                           f"lifetime); map another page")
-        self._inner("map", va, handle, set_access=set_access, num_pages=num_pages)
-        for i, a in enumerate(vas):
-            self._mappings[a] = handle if num_pages == 1 else (handle, i)
-            if not set_access:
-                self._no_access.add(a)
+        if va in self._mappings:
+            raise self._invalid("map", f"va={va:#x} is already mapped; unmap it first")
+        if va in self._guards:
+            raise self._invalid("map", f"va={va:#x} is a guard page (mapped for the reservation's "
+                                       f"lifetime); map another page")
+        self.inner.map(va, handle, set_access=set_access)
+        self._mappings[va] = handle
+        if not set_access:
+            self._no_access.add(va)
         self._page_map_count[handle] += 1
 
-    def unmap(self, va: int, num_pages: int = 1) -> None:
+    def unmap(self, va: int) -> None:
         self._check_open("unmap")
         mapped = self._mappings.get(va)
         if mapped is None:
             what = "a guard page is mapped for the reservation's lifetime" if va in self._guards else \
                 "nothing is mapped"
             raise self._invalid("unmap", f"{what} at va={va:#x}")
-        handle, index = mapped if isinstance(mapped, tuple) else (mapped, 0)
-        if index:
-            raise self._invalid("unmap", f"va={va:#x} is page {index} of span {handle}; unmap the span "
-                                         f"from its first page")
-        self._num_pages_of("unmap", handle, num_pages)
-        self._inner("unmap", va, num_pages=num_pages)
-        page = self.inner.page_size_bytes
-        for i in range(int(num_pages)):
-            del self._mappings[va + i * page]
-            self._no_access.discard(va + i * page)
-        self._page_map_count[handle] -= 1
+        self.inner.unmap(va)
+        del self._mappings[va]
+        self._no_access.discard(va)
+        self._page_map_count[mapped] -= 1
 
     def set_access(self, va: int, nbytes: int) -> None:
         self._check_open("set_access")
@@ -220,13 +188,13 @@ class CheckedDriver:
     def has_access(self, va: int) -> bool:
         return va in self._mappings and va not in self._no_access
 
-    def mapped_handle(self, va: int) -> int | tuple | None:
-        """The page handle mapped at ``va``, ``(span handle, page index)`` for a span's page."""
+    def mapped_handle(self, va: int) -> int | None:
+        """The page handle mapped at ``va``."""
         return self._mappings.get(va)
 
-    def check_mappings(self, expected: dict[int, object]) -> None:
-        """Raise ``AssertionError`` unless exactly ``expected`` (``va -> handle``, or ``(span handle,
-        page index)``) is mapped, every mapping with access."""
+    def check_mappings(self, expected: dict[int, int]) -> None:
+        """Raise ``AssertionError`` unless exactly ``expected`` (``va -> handle``) is mapped, every
+        mapping with access."""
         if self._no_access:
             raise AssertionError(f"{len(self._no_access)} mapped pages have no access set")
         if self._mappings != expected:
@@ -235,9 +203,11 @@ class CheckedDriver:
                                  f"differ at (va, handle) {[(hex(v), h) for v, h in diff]}")
 
     @property
-    def num_pages(self) -> int:
-        """Live (created, not released) pages, a span's counted each, guards aside."""
-        return len(self._page_map_count) + sum(self._span_pages.values()) - len(self._span_pages)
+    def num_live_pages(self) -> int:
+        """Live (created, not released) pages, guards aside."""
+        return len(self._page_map_count)
+
+    num_pages = num_live_pages
 
     @property
     def num_mappings(self) -> int:
@@ -264,13 +234,10 @@ class CheckedDriver:
         (idempotent)."""
         if self._closed:
             return
-        for va, mapped in list(self._mappings.items()):
-            if not isinstance(mapped, tuple):
-                self.unmap(va)
-            elif mapped[1] == 0:
-                self.unmap(va, self._span_pages[mapped[0]])
+        for va in list(self._mappings):
+            self.unmap(va)
         for handle in list(self._page_map_count):
-            self.release(handle, self._span_pages.get(handle, 1))
+            self.release(handle)
         for va, nbytes in list(self._reservations.items()):
             self.free_reservation(va, nbytes)
         self.inner.close()

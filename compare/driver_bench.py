@@ -1,11 +1,11 @@
 """Cost of each virtual-memory driver call vmem makes, one call at a time (the floor under vmem's
-allocation latencies in ``vmkv.compare.alloc_peers``).  A driver-level benchmark, so it lives beside the
-drivers (the compare layer reaches backends only through the registry); like every benchmark it times,
-it asserts nothing.
+allocation latencies in ``vmkv.compare.alloc_peers``).  It gets vmem's driver through the registry
+(``vmkv.kvcache.registry.vmm_driver``: the compare layer never imports a backend); like every benchmark
+it times, it asserts nothing.
 
-    python3 -m vmkv.vmem.driver_bench --out DIR [--device cuda|cpu] [--num-pages 128] [--reps 3] [--page-size-mib N]
+    python3 -m vmkv.compare.driver_bench --out DIR [--device cuda|cpu] [--num-pages 128] [--reps 3] [--page-size-mib N]
 
-Through vmem's own driver (:func:`vmkv.vmem.driver.get_driver`, so cuda-python's per-call overhead and
+Through vmem's own driver (``vmm_driver``, so cuda-python's per-call overhead and
 the context check of every call are counted, as vmem pays them), on one reservation of ``--num-pages``
 pages, each figure the p50 / p99 over the pages of ``--reps`` rounds, in microseconds:
 
@@ -75,7 +75,7 @@ def _timed(fn, *args) -> float:
 
 
 def measure_driver(drv, num_pages: int, reps: int) -> dict:
-    """Per-call latencies (module docstring) of ``drv`` (a :class:`~vmkv.vmem.driver.VMMDriver`)."""
+    """Per-call latencies (module docstring) of ``drv`` (a vmem page driver)."""
     page = drv.page_size_bytes
     nbytes = num_pages * page
     va = drv.reserve(nbytes)
@@ -214,7 +214,7 @@ def measure_compound(device_index: int, page: int, num_pages: int, sizes: list[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m vmkv.vmem.driver_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m vmkv.compare.driver_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--num-pages", type=int, default=128)
@@ -224,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from vmkv.vmem.driver import get_driver
+    from vmkv.kvcache.registry import vmm_driver
 
-    drv = get_driver("cuda" if a.device == "cuda" else "host", a.device,
+    drv = vmm_driver("cuda" if a.device == "cuda" else "host", a.device,
                      a.page_size_mib << 20 if a.page_size_mib else None)
     payload = {"kind": "driver_calls", "device": a.device, "page_size_bytes": drv.page_size_bytes,
                "num_pages": a.num_pages, "reps": a.reps,

@@ -33,8 +33,8 @@ from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, gen
 
 from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args, parse_size
 from vmkv.engine.config import DEFAULT_MAX_MODEL_LEN, ENGINE_DTYPES, CacheConfig
-from vmkv.engine.reservation import check_reservation, design_label, parse_design
-from vmkv.kvcache.registry import backend_choices, option_backends
+from vmkv.engine.reservation import check_reservation, design_label, design_options, parse_design
+from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
     g = p.add_argument_group("what to compare")
     g.add_argument("--backends", default="paged,vmem",
                    help="comma-separated KV designs: a backend (paged, vmem) or a backend with a static "
-                        "reservation policy, e.g. paged+max (Orca Max on paged blocks), vmem+oracle")
+                        "reservation policy, e.g. paged+max (Orca Max on paged blocks), vmem+oracle; a variant "
+                        "sets backend options of its own after @, e.g. vmem@kv_shrink_grace_s=inf")
     g.add_argument("--kv-reservations", default="none",
                    help="comma-separated static KV reservation policies (none, oracle, pow2, max: serve's "
                         "--kv-reservation) each --backends entry without a +policy runs with, e.g. "
@@ -169,8 +170,38 @@ def designs(backends_text: str, reservations_text: str = "none") -> list[str]:
     out = []
     for entry in (b.strip() for b in str(backends_text).split(",") if b.strip()):
         backend, policy = parse_design(entry)
-        for pol in ([policy] if "+" in entry else policies):
-            out.append(design_label(backend, pol))
+        base, at, variant = entry.partition("@")
+        design_options(entry)           # a malformed variant fails here, before anything runs
+        for pol in ([policy] if "+" in base else policies):
+            out.append(design_label(backend, pol) + at + variant)
+    return out
+
+
+def _option_value(text: str) -> object:
+    """A design variant's option value (``design_options``) from its text: a boolean, an int, a float
+    (``inf``), a size (``64MiB``) or the text itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for convert in (int, float, parse_size):
+        try:
+            return convert(text)
+        except (TypeError, ValueError):
+            pass
+    return text
+
+
+def variant_knobs(design: str) -> dict[str, object]:
+    """The backend options a design variant sets (``"vmem@kv_shrink_grace_s=inf"``), checked against the
+    backend's options class.  Raises ValueError: an option its backend does not have, or a bad value."""
+    backend, _ = parse_design(design)
+    out = {}
+    for name, text in design_options(design).items():
+        if backend not in option_backends(name):
+            raise ValueError(f"design {design!r}: {name!r} is not an option of the {backend} backend")
+        value = _option_value(text)
+        backend_options_class(backend).check_field(name, value, owner=f"design {design!r}")
+        out[name] = value
     return out
 
 
@@ -208,6 +239,7 @@ def _knobs(args, max_model_len: int, design: str) -> dict:
     if args.gpu_memory_utilization is not None:
         knobs["gpu_memory_utilization"] = args.gpu_memory_utilization
     knobs.update({k: v for k, v in backend_knobs(args).items() if backend in option_backends(k)})
+    knobs.update(variant_knobs(design))
     return knobs
 
 

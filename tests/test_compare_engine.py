@@ -1,6 +1,7 @@
 """`vmkv compare engine` end to end on the `tiny` random-weight shape, both backends, CPU."""
 
 import json
+import math
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from vmkv.cli import main
 from vmkv.compare import engine_bench
 from vmkv.compare.workloads import WorkloadSpec, generate
+from vmkv.vmem.options import VMemOptions
 
 
 @pytest.mark.slow
@@ -376,3 +378,25 @@ def test_sweep_from_runs_sustained_rates_ratio_and_a_failed_rate():
     assert p["sustained_is_lower_bound"] and not m["sustained_is_lower_bound"]
     assert sweep([_fake_run("paged", 2, 0.4)], None)["rule"]["slo_attainment_min"] is None
     assert sweep([{**_fake_run("paged", 2, 0.4), "config": {"workload": {"request_rate": "inf"}}}], None) is None
+
+
+def test_a_design_variant_runs_a_backend_again_with_one_option_changed(monkeypatch, tmp_path):
+    """``--backends vmem,vmem@kv_shrink_grace_s=inf`` runs vmem twice in one invocation, the second with
+    shrinking off (issue 24: the elastic shrink's cost online, as a ratio within one run); the value is
+    converted by its option's type and checked by the options class; an option the backend lacks, or a
+    malformed variant, fails before anything runs."""
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--backends", "paged,vmem,vmem@kv_shrink_grace_s=inf,"
+                                                   "vmem@kv-reserve-bytes=1MiB"])
+    assert rc == 0 and list(knobs) == ["paged", "vmem", "vmem@kv_shrink_grace_s=inf", "vmem@kv-reserve-bytes=1MiB"]
+    assert knobs["vmem@kv_shrink_grace_s=inf"]["kv_shrink_grace_s"] == math.inf
+    assert knobs["vmem"]["kv_shrink_grace_s"] == VMemOptions().kv_shrink_grace_s
+    assert knobs["vmem@kv-reserve-bytes=1MiB"]["kv_reserve_bytes"] == 1 << 20
+    from vmkv.engine.config import EngineConfig
+
+    cfg = EngineConfig.from_args(kv_backend="vmem", **knobs["vmem@kv_shrink_grace_s=inf"])
+    assert cfg.cache.backend_options().kv_shrink_grace_s == math.inf
+    for bad, why in (("paged@kv_shrink_grace_s=inf", "not an option of the paged backend"),
+                     ("vmem@kv_shrink_grace_s", "is not name=value"),
+                     ("vmem@kv_reserve_bytes=-1", "kv_reserve_bytes must be")):
+        with pytest.raises(ValueError, match=why):
+            engine_bench.variant_knobs(bad) if "=" in bad else engine_bench.designs(bad)

@@ -24,7 +24,7 @@ the cache's ``seq_len``).
 from __future__ import annotations
 
 __all__ = ["KV_RESERVATIONS", "check_reservation", "output_estimate", "reserved_tokens", "design_label",
-           "parse_design"]
+           "parse_design", "design_options"]
 
 #: ``--kv-reservation`` values, ``"none"`` (no reservation) first
 KV_RESERVATIONS = ("none", "oracle", "pow2", "max")
@@ -64,7 +64,22 @@ def design_label(backend: str, policy: str) -> str:
 
 
 def parse_design(label: str) -> tuple[str, str]:
-    """``"paged+max"`` -> ``("paged", "max")``; ``"vmem"`` -> ``("vmem", "none")``.  Raises ValueError for
-    an unknown policy (the backend is checked by the caller)."""
-    backend, _, policy = label.partition("+")
+    """``"paged+max"`` -> ``("paged", "max")``; ``"vmem"`` -> ``("vmem", "none")``; a variant's option
+    values (``"vmem@kv_shrink_grace_s=inf"``: :func:`design_options`) are not part of it.  Raises
+    ValueError for an unknown policy (the backend is checked by the caller)."""
+    backend, _, policy = label.split("@", 1)[0].partition("+")
     return backend, check_reservation(policy or "none", f"the reservation of {label!r}")
+
+
+def design_options(label: str) -> dict[str, str]:
+    """The backend-option values a design variant sets, as text: ``"vmem@kv_shrink_grace_s=inf"`` ->
+    ``{"kv_shrink_grace_s": "inf"}`` (``@`` before each ``name=value``; ``{}`` for a plain design), so
+    one comparison can run a backend twice with one option changed.  Raises ValueError: a part is not
+    ``name=value``."""
+    out: dict[str, str] = {}
+    for part in label.split("@")[1:]:
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise ValueError(f"design {label!r}: {part!r} is not name=value (e.g. vmem@kv_shrink_grace_s=inf)")
+        out[name.strip().replace("-", "_")] = value.strip()
+    return out

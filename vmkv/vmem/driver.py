@@ -65,8 +65,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST_PAGE_BYTES = 64 * 1024
 
 class VMMDriver(abc.ABC):
-    """The driver protocol: a thin layer over the OS/CUDA calls (no validation; see
-    :class:`~vmkv.vmem.checked_driver.CheckedDriver`): the host side of
+    """The driver protocol: a thin layer over the OS/CUDA calls (no validation: the tests' checked
+    driver validates every call): the host side of
     :class:`~vmkv.vmem.protocol.PageDriver` plus tensors over the reservations (:meth:`as_tensor`).
 
     Page handles are opaque ints; ``map``/``unmap`` work on one page at ``va``.

@@ -80,7 +80,7 @@ def pick_slot(mapper: SlotMapper, num_units: int, hits: Sequence[Sequence[int]],
         return (num_units * num_res - num_res * min(kept, num_units), fit, s.index)
 
     # exact best key with the fewest page walks: free slots in the order of their lower bound (kept by
-    # the mapper, free_slots.py); once a bound exceeds the best key found, no later slot can beat it (a
+    # the mapper, slots.py); once a bound exceeds the best key found, no later slot can beat it (a
     # slot whose kept pages all fit ends the search at once, the common warm admission; of the slots
     # that keep nothing, only the lowest-index one is scored)
     slots = mapper.slots

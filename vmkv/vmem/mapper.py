@@ -169,19 +169,25 @@ class SlotMapper(SlotSpace):
         reclaimable, is_cached_free = self.table.reclaimable, self.pool.is_cached_free
         leaving = {hit for u in range(min(len(hits), num_units)) for hit in hits[u]
                    if hit in reclaimable or is_cached_free(hit)}       # become claimed
+        fresh, kept = self._fresh_and_kept(slot, len(hits), num_units)
+        return fresh, self.available_pages() - len(leaving) - kept
+
+    def _fresh_and_kept(self, slot: Slot, start: int, end: int) -> tuple[int, int]:
+        """Of units ``[start, end)`` of ``slot``: the positions that need a fresh page (a hole, or a kept
+        page shared with another slot, replaced) and the kept pages mapped here only (reused in place)."""
         fresh = kept = 0
         get, entries = slot.units.get, self.table.entries
-        for u in range(len(hits), num_units):
+        for u in range(start, end):
             pages = get(u)
             if pages is None:
                 fresh += self.num_res
                 continue
             for p in pages:
                 if p is None or len(entries[p].slots) > 1:
-                    fresh += 1          # a hole, or a shared kept page to replace
+                    fresh += 1
                 else:
-                    kept += 1           # a kept page reused in place (one slot: no hit)
-        return fresh, self.available_pages() - len(leaving) - kept
+                    kept += 1
+        return fresh, kept
 
     def occupy(self, slot: Slot, seq_id: int, num_units: int, hits: Sequence[Sequence[int]]) -> None:
         """Give free ``slot`` to ``seq_id`` with units ``[0, num_units)`` claimed: units
@@ -221,19 +227,8 @@ class SlotMapper(SlotSpace):
         """``(fresh pages needed, pages available)`` for :meth:`grow`."""
         cow_units = [u for u in cow_units if u < slot.claimed]
         cow = self.plan_writable(slot, cow_units, range(self.num_res)) if cow_units else 0
-        fresh = leaving = 0
-        get, entries = slot.units.get, self.table.entries
-        for u in range(slot.claimed, num_units):
-            pages = get(u)
-            if pages is None:
-                fresh += self.num_res
-                continue
-            for p in pages:
-                if p is None or len(entries[p].slots) > 1:
-                    fresh += 1
-                else:
-                    leaving += 1
-        return fresh + cow, self.available_pages() - leaving
+        fresh, kept = self._fresh_and_kept(slot, slot.claimed, num_units)
+        return fresh + cow, self.available_pages() - kept
 
     def _claim_units(self, slot: Slot, old: int, end: int, reuse: bool = True) -> None:
         """Claim units ``[old, end)`` of ``slot``: kept pages shared with other slots are unmapped

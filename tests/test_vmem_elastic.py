@@ -1,6 +1,8 @@
-"""Elastic vmem memory (issue 12, items 1-3): idle pages beyond a reserve are released to the device
-or the OS after a grace period (``KVCache.release_idle``), growth re-creates them on demand, and
-nothing a live sequence claims, a pending fence guards or a prefix entry names is ever broken.
+"""Elastic vmem memory (issue 12, items 1-3; issue 24's shrink policy, elastic.py): idle pages beyond
+the reserve and the high-water mark of the claimed pages over the grace period (with its hysteresis
+band) are released to the device or the OS (``KVCache.release_idle``), growth re-creates them on
+demand, and nothing a live sequence claims, a pending fence guards or a prefix entry names is ever
+broken.  The shrink policy's own tests: test_vmem_shrink_policy.py.
 
 Clocks are injected (``release_idle(now=...)``), never slept on.  The GPU twin at the end checks that
 ``torch.cuda.mem_get_info``'s free memory rises after a shrink on the CUDA driver.
@@ -8,6 +10,7 @@ Clocks are injected (``release_idle(now=...)``), never slept on.  The GPU twin a
 
 from __future__ import annotations
 
+import math
 import os
 import types
 
@@ -20,8 +23,9 @@ from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get Che
 from vmkv import StepSeq
 from vmkv.kvcache.registry import create_kv_cache
 from vmkv.kvcache.spec import KVCacheSpec
-from vmkv.vmem import stats as vmem_stats
-from vmkv.vmem.elastic import IdleWindow
+from vmkv.vmem import cache as vmem_cache
+from vmkv.vmem import elastic as vmem_elastic
+from vmkv.vmem.elastic import SHRINK_BAND, ShrinkWindow
 
 KIB, MIB = 1 << 10, 1 << 20
 PAGE = 64 * KIB                       # 256 tokens of SPEC per megacache page
@@ -71,22 +75,21 @@ def rss_bytes() -> int:
 
 
 # ------------------------------------------------------------------ the policy (torch-free)
-def test_idle_window_releases_what_stayed_idle_for_the_whole_grace_period():
-    w = IdleWindow(reserve_pages=2, grace_s=5.0)
-    assert w.observe(0.0, 10) == 0              # grace not over
-    assert w.observe(4.9, 10) == 0
-    assert w.observe(5.0, 10) == 8              # idle > reserve for 5 s: all but the reserve
-    w.released(3)
-    assert w.observe(5.1, 7) == 5               # a release is no dip
-    assert w.observe(6.0, 4) == 2               # a real dip: only what stayed idle
-    assert w.observe(9.0, 20) == 2              # the dip (in effect from 6 to 9 s) is in the window
-    assert w.observe(13.9, 20) == 2
-    assert w.observe(14.0, 20) == 18            # ... and now out of it
-    assert w.observe(15.0, 1) == 0              # at or below the reserve: the grace starts again
-    assert w.observe(16.0, 9) == 0 and w.observe(20.9, 9) == 0 and w.observe(21.0, 9) == 7
-    assert IdleWindow(0, 0.0).observe(0.0, 3) == 3       # grace 0: at once
+def test_shrink_window_releases_beyond_the_high_water_mark_after_the_grace_period():
+    """The essentials (the unit tests are in test_vmem_shrink_policy.py): nothing before the grace
+    period, then what lies beyond ``ceil(hwm * (1 + band / 2)) + reserve``, and only once the created
+    pages exceed ``hwm * (1 + band) + reserve``."""
+    w = ShrinkWindow(reserve_pages=2, grace_s=5.0)
+    assert w.observe(0.0, 10, 0) == 0             # grace not over
+    assert w.observe(4.9, 10, 0) == 0
+    assert w.observe(5.0, 10, 0) == 8             # idle for 5 s, nothing claimed: all but the reserve
+    w = ShrinkWindow(reserve_pages=2, grace_s=5.0)
+    assert w.observe(0.0, 50, 40) == 0
+    assert w.observe(5.0, 50, 20) == 0            # 40 claimed at t=0 is in the window: 50 <= 40*1.25+2
+    assert w.observe(10.1, 50, 20) == 50 - 23 - 2  # 20 is the high-water mark now: ceil(20*1.125)=23
+    assert ShrinkWindow(0, 0.0).observe(0.0, 3, 0) == 3      # grace 0: at once
     for never in (-1.0, float("inf")):
-        assert IdleWindow(0, never).observe(1e9, 100) == 0
+        assert ShrinkWindow(0, never).observe(1e9, 100, 0) == 0
 
 
 # ------------------------------------------------------------------ host driver
@@ -123,10 +126,13 @@ def test_host_shrink_returns_memory_to_the_os_after_the_grace_period():
 
 
 def test_shrink_never_touches_what_live_sequences_claim_and_cycles_stay_correct():
+    """Grace 0, reserve 0: while sequences are live only the pages beyond ``ceil(hwm * (1 + band / 2))``
+    go (hwm: the pages claimed now), once the created pages exceed ``hwm * (1 + band)``; when none is
+    live every idle page goes at once."""
     cache = make_cache(grace_s=0.0, reserve=0, max_model_len=2048)
     try:
         live: dict[int, tuple[int, float]] = {}          # seq -> (positions written, value)
-        t = 0.0
+        t, num_released = 0.0, 0
         for cycle in range(4):
             for s in range(cycle * 10, cycle * 10 + 8):       # grow
                 n = 300 + 97 * (s % 7)
@@ -138,14 +144,28 @@ def test_shrink_never_touches_what_live_sequences_claim_and_cycles_stay_correct(
             for s in sorted(live)[:2]:                       # some keep growing
                 cache.extend(s, 256)
             claimed = cache.mapper.num_allocated_pages()
-            t += 1.0
-            cache.release_idle(now=t)
+            while True:                                      # rate limited: until nothing more goes
+                t += 1.0
+                created = cache.pool.num_created
+                released = cache.release_idle(now=t) // PAGE
+                if not released:
+                    break
+                num_released += released
+                assert released <= vmem_elastic.RELEASE_PAGES_PER_CALL
+                assert cache.pool.num_created >= math.ceil(claimed * (1 + SHRINK_BAND / 2))
+                assert created > claimed * (1 + SHRINK_BAND)     # hysteresis: only beyond the band
             assert cache.mapper.num_allocated_pages() == claimed
-            assert cache.mapper.num_idle_pages() == 0        # grace 0, reserve 0: every idle page went
-            assert cache.usage().allocated_bytes == claimed * PAGE == cache.backend_stats()["created_bytes"]
+            assert cache.pool.num_created <= claimed * (1 + SHRINK_BAND)
+            assert cache.usage().allocated_bytes == claimed * PAGE
             cache.check_integrity()
             for s, (n, value) in live.items():
                 assert_filled_prefix(cache, s, n, value)
+        assert num_released > 0
+        for s in list(live):
+            cache.free(s)
+        assert cache.release_idle(now=t + 1.0) > 0           # none live: every idle page at once
+        assert cache.mapper.num_idle_pages() == 0 == cache.backend_stats()["created_bytes"]
+        cache.check_integrity()
     finally:
         cache.close()
 
@@ -158,6 +178,8 @@ def assert_filled_prefix(cache, seq_id: int, n: int, value: float) -> None:
 
 
 def test_grace_period_memory_used_within_the_window_is_kept():
+    """What live sequences claimed within the last ``grace_s`` seconds (the high-water mark), plus
+    half the band, stays; the rest goes once the grace period is over."""
     cache = make_cache(grace_s=5.0, reserve=0)
     try:
         for s in range(8):                       # 8 x 4 pages
@@ -169,13 +191,17 @@ def test_grace_period_memory_used_within_the_window_is_kept():
             fill(cache, s, 1024, float(s))
         assert cache.release_idle(now=3.0) == 0
         assert cache.release_idle(now=4.9) == 0
-        assert cache.release_idle(now=5.0) == 16 * PAGE     # idle since t=0: released
+        # the high-water mark is the 16 claimed pages: 32 > 16 * 1.25, ceil(16 * 1.125) = 18 stay
+        assert cache.release_idle(now=5.0) == (32 - 18) * PAGE
+        assert cache.backend_stats()["num_pages_created"] == 18
+        assert cache.release_idle(now=6.0) == 0              # 16 claimed, last seen at 6 s
         for s in range(8, 12):
             assert_filled(cache, s, 1024, float(s))
             cache.free(s)
         assert cache.release_idle(now=6.0) == 0              # idle only since t=6
         assert cache.release_idle(now=10.9) == 0
-        assert cache.release_idle(now=11.0) == 16 * PAGE
+        assert cache.release_idle(now=11.0) == 0             # 6 s is still in the window [6, 11]
+        assert cache.release_idle(now=11.1) == 18 * PAGE     # ... and now out of it
         assert cache.backend_stats()["num_pages_created"] == 0
         cache.check_integrity()
     finally:
@@ -307,8 +333,8 @@ def test_out_of_memory_reuse_skips_pages_whose_fence_is_pending(monkeypatch):
 def clock(monkeypatch):
     """``release_idle``'s clock, moved by hand."""
     now = {"t": 1000.0}
-    fake = types.SimpleNamespace(monotonic=lambda: now["t"], perf_counter_ns=vmem_stats.time.perf_counter_ns)
-    monkeypatch.setattr(vmem_stats, "time", fake)
+    fake = types.SimpleNamespace(monotonic=lambda: now["t"], perf_counter_ns=vmem_cache.time.perf_counter_ns)
+    monkeypatch.setattr(vmem_cache, "time", fake)
     return now
 
 
@@ -335,7 +361,7 @@ def test_engine_burst_then_idle_steps_fall_to_the_reserve(tiny, clock):
                 assert final[f"b{burst}-{i}"].outputs[0].token_ids == hf_greedy(tiny["hf"], p, 6)
             engine.step()                                 # idle, within the grace: nothing goes
             assert kv.backend_stats()["created_bytes"] == peak
-            clock["t"] += 5.0
+            clock["t"] += 5.5
             engine.step()                                 # idle past the grace period
             u = kv.usage()
             held = kv.backend_stats()["created_bytes"]
@@ -357,6 +383,7 @@ def test_engine_recovers_when_page_creation_fails_for_a_while_after_a_shrink(tin
         for i, p in enumerate(prompts):
             engine.add_request(f"a{i}", None, greedy(4), prompt_token_ids=p)
         run_all(engine)
+        clock["t"] += 1.0           # grace 0: the burst's last step, at the same instant, is in the window
         engine.step()
         assert kv.backend_stats()["num_released_pages"] > 0
         inner = getattr(kv.driver, "inner", kv.driver)

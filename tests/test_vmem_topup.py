@@ -9,6 +9,7 @@ Clocks are injected (``release_idle(now=...)``), never slept on; no test is time
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -18,7 +19,7 @@ from kvcache_cases import SPEC, one_torch_thread
 from test_engine import one_thread, tiny  # noqa: F401 (fixtures)
 from test_vmem_elastic import KIB, MIB, PAGE, assert_filled, assert_filled_prefix, fill, make_cache
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
-from vmkv.vmem import stats as vmem_stats
+from vmkv.vmem import elastic as vmem_elastic
 from vmkv.vmem.driver import VMMError
 from vmkv import KVCacheFullError, create_kv_cache
 
@@ -107,9 +108,11 @@ def test_kept_pages_of_freed_slots_do_not_hold_the_top_up_back(monkeypatch):
         assert calls["n"] == 0
         for s in (2, 3):
             assert_filled_prefix(cache, s, 1024, float(s))
-        cache.release_idle(now=7.0)                          # after the grace: the kept pages go,
-        assert cache.mapper.pool.num_free == 4               # the plain free reserve stays
-        assert cache.mapper.num_idle_pages() == 4 and calls["n"] == 4
+        # after the grace the high-water mark is the 12 pages seqs 2 and 3 claim: the kept pages go
+        # down to ceil(12 * (1 + band / 2)) + the reserve, and the plain free reserve stays
+        assert cache.release_idle(now=7.0) == (24 - 14 - 4) * PAGE
+        assert cache.mapper.pool.num_free == 4 and cache.mapper.pool.num_created == 14 + 4
+        assert cache.mapper.num_idle_pages() == 6 and calls["n"] == 4
         cache.check_integrity()
     finally:
         cache.close()
@@ -169,7 +172,7 @@ def test_top_up_never_exceeds_the_cap():
 
 
 def test_top_up_creates_at_most_a_bounded_number_of_pages_per_call_while_sequences_are_live(monkeypatch):
-    monkeypatch.setattr(vmem_stats, "TOP_UP_PAGES_PER_CALL", 3)
+    monkeypatch.setattr(vmem_elastic, "TOP_UP_PAGES_PER_CALL", 3)
     cache = make_cache(grace_s=5.0, reserve=10 * PAGE)
     try:
         fill(cache, 1, 256, 1.0)                             # one page claimed, the seq is live
@@ -197,10 +200,12 @@ def test_shrink_still_releases_down_to_the_reserve_and_the_top_up_does_not_undo_
             cache.release_idle(now=0.1 * s)
         created = cache.mapper.pool.num_created
         assert created == 32 + 4                             # the reserve stays ahead of the burst
+        assert cache.release_idle(now=10.0) == 0             # still live: 32 claimed at 10 s
         for s in range(8):
             cache.free(s)
         assert cache.release_idle(now=10.0) == 0             # the burst just ended
-        assert cache.release_idle(now=15.0) == 32 * PAGE     # all but the reserve
+        assert cache.release_idle(now=15.0) == 0             # 10 s is still in the window [10, 15]
+        assert cache.release_idle(now=15.5) == 32 * PAGE     # all but the reserve
         assert _state(cache)[:2] == (4, 4)
         topped = cache.backend_stats()["num_topped_up_pages"]
         for t in (16.0, 30.0, 60.0):
@@ -280,7 +285,9 @@ def test_preallocated_pool_has_nothing_to_top_up():
 def test_contents_stay_correct_through_grow_shrink_and_top_up_cycles():
     """Seeded random grows, admissions, frees, prefetches and releases with a small cap, a reserve
     and grace 0: every live sequence reads back what was written, the pool never passes the cap,
-    and after every release the idle count is the reserve (or the cap stops it)."""
+    and after every release the reserve is kept (or the cap stops it): as idle pages when no sequence
+    is live (nothing else stays), as plain free pages while some are, beyond which no more than the
+    hysteresis band over the claimed pages stays created."""
     rng = random.Random(5)
     reserve = 3
     cache = make_cache(grace_s=0.0, reserve=reserve * PAGE, memory_bytes=24 * PAGE, max_model_len=2048,
@@ -323,7 +330,14 @@ def test_contents_stay_correct_through_grow_shrink_and_top_up_cycles():
                 t += 1.0
                 cache.release_idle(now=t)
                 m = cache.mapper
-                assert m.num_idle_pages() == reserve or m.pool.num_created == m.pool.max_pages, _state(cache)
+                capped = m.pool.num_created == m.pool.max_pages
+                if live:            # grace 0: the high-water mark is what is claimed now
+                    hwm, band = m.num_allocated_pages(), vmem_elastic.SHRINK_BAND
+                    assert m.pool.num_free >= reserve or capped, _state(cache)
+                    assert m.pool.num_created <= max(hwm * (1 + band), math.ceil(hwm * (1 + band / 2))) \
+                        + reserve, _state(cache)
+                else:
+                    assert m.num_idle_pages() == reserve or capped, _state(cache)
             assert cache.mapper.pool.num_created <= cache.mapper.pool.max_pages
             cache.check_integrity()
             for seq, ks in live.items():
@@ -373,7 +387,7 @@ def test_copy_on_write_out_of_memory_refuses_with_nothing_changed(monkeypatch, v
         cache.fork(0, 1)                                 # unit 0 shared by both
         cache.allocate(2, 1)
         cache.free(2)                                    # 4 kept pages ...
-        assert m.release_idle_pages(3) == 3              # ... of which 1 stays idle
+        assert m.reclaimer.release(3) == 3               # ... of which 1 stays idle
         _count_creations(cache, monkeypatch, fail="ENOMEM (Cannot allocate memory)")
         k = torch.zeros(1, SPEC.num_kv_heads, SPEC.head_dim)
         with pytest.raises(KVCacheFullError):

@@ -5,7 +5,7 @@ in a subprocess where ``import torch`` fails.
 
 The vmem cycles run on :class:`FakeDriver`, an in-memory :class:`~vmkv.vmem.protocol.PageDriver`
 (addresses and handles only, no memory), wrapped in the validating
-:class:`~vmkv.vmem.checked_driver.CheckedDriver`.  This module imports nothing torch-side at module
+the checked driver (``tests/checked_driver.py``).  This module imports nothing torch-side at module
 level, so the subprocess imports it and calls the scenario functions.
 """
 

@@ -61,7 +61,7 @@ class _WindowModel:
         self.obs: list[tuple[float, int]] = []        # (time, claimed) since the queue was last empty
         self.since: float | None = None
 
-    def allowed(self, now: float, created: int, claimed: int, waiting: int = 0) -> int:
+    def allowed(self, now: float, created: int, claimed: int, waiting: int = 0, extra: int = 0) -> int:
         if not 0.0 <= self.grace < math.inf:
             return 0
         if waiting:
@@ -73,9 +73,10 @@ class _WindowModel:
         if now - self.since < self.grace:
             return 0
         hwm = max(v for t, v in self.obs if t >= now - self.grace)
-        if created <= hwm * (1 + self.band) + self.reserve:
+        keep = self.reserve + extra
+        if created <= hwm * (1 + self.band) + keep:
             return 0
-        return max(0, created - math.ceil(hwm * (1 + self.band / 2)) - self.reserve)
+        return max(0, created - math.ceil(hwm * (1 + self.band / 2)) - keep)
 
 
 def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
@@ -130,6 +131,8 @@ def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
             write(seq, 0, [torch.randn(n, H, D, generator=gen) for _ in range(SPEC.num_layers)])
             plen[seq] = 0
 
+    released_live = [0]         # pages released while sequences were live (bounds the learned pages)
+
     def release(now: float, num_waiting: int = 0) -> int:
         created0, released0 = m.pool.num_created, m.num_released_pages
         topped0 = cache.elastic.num_topped_up_pages
@@ -139,9 +142,9 @@ def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
         seen = {}
         real_observe = window.observe
 
-        def observe(now_, created, claimed, waiting=0):
-            seen.update(created=created, claimed=claimed, waiting=waiting)
-            seen["num"] = real_observe(now_, created, claimed, waiting)
+        def observe(now_, created, claimed, waiting=0, extra=0):
+            seen.update(created=created, claimed=claimed, waiting=waiting, extra=extra)
+            seen["num"] = real_observe(now_, created, claimed, waiting, extra)
             return seen["num"]
         window.observe = observe
         try:
@@ -151,7 +154,9 @@ def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
         topped = cache.elastic.num_topped_up_pages - topped0
         assert (seen["created"], seen["claimed"], seen["waiting"]) == (
             created0 + topped, m.num_allocated_pages(), num_waiting)
-        allowed = model.allowed(now, seen["created"], seen["claimed"], num_waiting)
+        # learned pages: at most what was released while sequences were live (ElasticPolicy)
+        assert 0 <= seen["extra"] <= released_live[0]
+        allowed = model.allowed(now, seen["created"], seen["claimed"], num_waiting, seen["extra"])
         assert seen["num"] == allowed, (now, seen, allowed)
         if live:
             allowed = min(allowed, vmem_elastic.RELEASE_PAGES_PER_CALL)
@@ -164,6 +169,8 @@ def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
         assert m.pool.num_created == created0 + topped - got
         counts["release"] += 1
         counts["released"] += got
+        if live:
+            released_live[0] += got
         return got
 
     def quiet() -> None:
@@ -179,8 +186,9 @@ def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
         at_cap = created == m.pool.max_pages
         if len(cache.seqs):     # the reserve as plain free pages, idle pages within the band kept
             assert free >= reserve or at_cap, (idle, free, created, reserve)
-            assert created <= max(claimed * (1 + band), math.ceil(claimed * (1 + band / 2))) + reserve, \
-                (idle, free, created, claimed, reserve)
+            learned = cache.elastic.learned_pages
+            assert created <= max(claimed * (1 + band), math.ceil(claimed * (1 + band / 2))) + reserve \
+                + learned, (idle, free, created, claimed, reserve, learned)
         else:
             assert claimed == 0 and (idle == reserve or (at_cap and idle <= reserve)), \
                 (idle, free, created, reserve)

@@ -3,7 +3,7 @@ test_vmem_layout.py, test_vmem_pressure_cuda.py).
 
 Each file keeps its own ``SPEC`` (host fp32 or CUDA bf16); the helpers take it as an argument.
 A test module that imports :func:`checked_drivers` gets every driver a cache makes for itself
-wrapped in :class:`~vmkv.vmem.checked_driver.CheckedDriver` (production uses the thin driver).
+wrapped in the checked driver (``tests/checked_driver.py``) (production uses the thin driver).
 """
 
 from __future__ import annotations

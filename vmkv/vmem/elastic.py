@@ -24,7 +24,12 @@ back only when demand has really fallen:
   the load's own fluctuation (within the band) releases nothing;
 * **no release while requests wait** for admission (their admissions will need the memory at once);
   the grace period starts again when the queue empties;
-* a **rate limit**: while sequences are live at most :data:`RELEASE_PAGES_PER_CALL` pages go per call.
+* a **rate limit**: while sequences are live at most :data:`RELEASE_PAGES_PER_CALL` pages go per call;
+* **learning**: the high-water mark of claimed pages undercounts what a load of mixed lengths needs
+  created (a long prompt admitted into a slot that kept few pages creates fresh ones while another freed
+  slot's kept pages sit idle), so pages released while sequences are live and then created again
+  (``PagePool.num_creations``) are kept from then on while sequences are live (``learned_pages``, at
+  most what was released), until the load ends (nothing claimed for a whole grace period).
 
 Once a burst is over the high-water mark falls to 0 after ``grace_s``, and memory returns to the reserve
 (co-location: ``vmkv compare colocate``).  Idle pages are released in reclamation order (plain free,
@@ -80,10 +85,12 @@ class ShrinkWindow:
         """The most pages live sequences claimed in the window (0 before any observation)."""
         return self._peaks[0][1] if self._peaks else 0
 
-    def observe(self, now: float, num_created: int, num_claimed: int, num_waiting: int = 0) -> int:
+    def observe(self, now: float, num_created: int, num_claimed: int, num_waiting: int = 0,
+                extra_pages: int = 0) -> int:
         """Record ``num_claimed`` pages claimed at ``now`` (seconds, non-decreasing), with
         ``num_created`` pages created and ``num_waiting`` requests waiting; returns how many pages
-        may be released now."""
+        may be released now.  ``extra_pages`` are kept on top of the reserve (what the load was seen
+        to need again: :class:`ElasticPolicy`)."""
         if not self.enabled:
             return 0
         if num_waiting > 0:
@@ -100,10 +107,10 @@ class ShrinkWindow:
             self._since = now
         if now - self._since < self.grace_s:
             return 0
-        hwm = dq[0][1]
-        if num_created <= hwm * (1.0 + self.band) + self.reserve_pages:
+        hwm, keep = dq[0][1], self.reserve_pages + max(0, int(extra_pages))
+        if num_created <= hwm * (1.0 + self.band) + keep:
             return 0
-        return max(0, num_created - math.ceil(hwm * (1.0 + self.band / 2)) - self.reserve_pages)
+        return max(0, num_created - math.ceil(hwm * (1.0 + self.band / 2)) - keep)
 
 
 class ElasticPolicy:
@@ -126,6 +133,11 @@ class ElasticPolicy:
         self.window = ShrinkWindow(reserve_pages, grace_s)
         self.reserve_pages = self.window.reserve_pages
         self.num_topped_up_pages = 0
+        # learning (module docstring): pages released while sequences were live since the load began,
+        # the pool's on-demand creations at the first of those releases, and what is kept on top
+        self._released_live = 0
+        self._created_mark: int | None = None
+        self.learned_pages = 0
 
     def top_up(self, live: bool) -> int:
         """Create plain free pages until ``reserve_pages`` are plain free (``live``: sequences are
@@ -147,12 +159,23 @@ class ElasticPolicy:
         top-up's creation out of memory."""
         self.top_up(live)               # first, so that the window sees the reserve as created
         m = self.mapper
-        num = self.window.observe(now, m.pool.num_created, m.num_allocated_pages(), num_waiting)
+        if not live and self.window.high_water() == 0:
+            self._released_live, self._created_mark, self.learned_pages = 0, None, 0   # the load ended
+        elif self._created_mark is not None:
+            recreated = m.pool.num_creations - self._created_mark
+            self.learned_pages = min(self._released_live, recreated)
+        num = self.window.observe(now, m.pool.num_created, m.num_allocated_pages(), num_waiting,
+                                  self.learned_pages if live else 0)
         if num <= 0:
             return 0
         if live:
             num = min(num, RELEASE_PAGES_PER_CALL)
-        return m.reclaimer.release(num, keep_free=self.reserve_pages if live else 0)
+        released = m.reclaimer.release(num, keep_free=self.reserve_pages if live else 0)
+        if released and live:
+            if self._created_mark is None:
+                self._created_mark = m.pool.num_creations
+            self._released_live += released
+        return released
 
     # ------------------------------------------------------------------ mapping ahead of need
     def map_ahead(self, slot, seq_len: int) -> None:

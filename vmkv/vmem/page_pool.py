@@ -75,6 +75,8 @@ class PagePool:
         self._free: list[int] = []
         self._cached: set[int] = set()         # cached free pages (refcount 0, content kept)
         self.table = PageTable()               # pages in use: acquired (not yet mapped) or mapped
+        #: pages created so far (:meth:`acquire` and :meth:`top_up`; the up-front ones not counted)
+        self.num_creations = 0
         self._num_created = 0
         if preallocate:
             for _ in range(self.max_pages):
@@ -120,6 +122,7 @@ class PagePool:
         elif self._num_created < self.max_pages:
             page = self.driver.create_page()
             self._num_created += 1
+            self.num_creations += 1
         else:
             raise PagePoolExhaustedError(f"all {self.max_pages} pages are in use or cached "
                                          f"({len(self._cached)} cached free)")
@@ -161,6 +164,7 @@ class PagePool:
             self._free.append(page)
             self._num_created += 1
             created += 1
+        self.num_creations += created
         return created
 
     def give_back_many(self, pages) -> None:

@@ -9,6 +9,13 @@ scenario so drift hits both alike.  Output: rich tables (absolute figures and vm
 ``results.json`` (environment, arguments, every run's summary), ``raw/<scenario>-<backend>.json``
 (every request's token times and every step's KV sample), ``summary.md`` and PNG plots.
 
+``--memory-gib 2,8,32`` (or ``--kv-memory 2GiB,8GiB``) sweeps the KV budget in the same invocation: every
+design runs at every budget and every rate (budgets outermost), each run records its budget
+(``kv_budget_bytes``, ``budget``; scenarios are named ``offline-2GiB``, ``rate-4-2GiB`` when there are several
+budgets), and ``results["budget_table"]`` (:func:`engine_report.budget_table`) gives per budget and design
+the offline output tok/s and the sustained rate as ratios to ``--reference-design``, each static design
+against its backend without a reservation, and the measured reason where static >= paged.
+
 With finite rates the comparison is an online sweep (``results["sweep"]``, :func:`engine_report.sweep`):
 per design and rate the normalized latency (the PagedAttention paper's Fig. 12), TTFT/TPOT p50/p99,
 goodput and SLO attainment, the highest rate each design sustains within ``--slo`` and its ratio to
@@ -26,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vmkv.compare import report
+from vmkv.compare.engine_report import budget_label
 from vmkv.compare.metrics import NORM_LATENCY_BOUND_FACTOR, SLO_ATTAINMENT_MIN
 from vmkv.compare.shapes import SHAPES
 from vmkv.compare.worker_proc import run_worker_process
@@ -38,7 +46,7 @@ from vmkv.kvcache.registry import backend_choices, backend_options_class, option
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "run", "parse_rates", "scenario_name", "backend_knobs", "check_backends", "worker_config",
+__all__ = ["add_arguments", "run", "parse_rates", "parse_budgets", "scenario_name", "backend_knobs", "check_backends", "worker_config",
            "Plan", "plan", "resolve_rate"]
 
 
@@ -102,9 +110,13 @@ def add_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
                    help="default: the workload's longest prompt + output, rounded up to 256 (a trace: at "
                         "most the model shape's context, or 4096 for a checkpoint; longer rows are capped)")
     budget = e.add_mutually_exclusive_group()
-    budget.add_argument("--memory-gib", type=float, default=None, help="KV budget in GiB (same for every backend)")
-    budget.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
-                        help="the KV budget as a size, e.g. 64GiB (serve's flag; the same as --memory-gib)")
+    budget.add_argument("--memory-gib", default=None, metavar="GIB[,GIB...]",
+                        help="KV budget in GiB (same for every backend); comma-separated, e.g. 2,8,32: every "
+                             "design runs at every budget (and every --request-rate) in this invocation, and "
+                             "summary.md's budget table compares them per budget")
+    budget.add_argument("--kv-memory", default=None, metavar="SIZE[,SIZE...]",
+                        help="the KV budget as a size, e.g. 64GiB (serve's flag; the same as --memory-gib), "
+                             "comma-separated to sweep it (2GiB,8GiB)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     # backend options (choices, help and defaults from the backends' options classes): each backend
     # gets the ones its options have; a value but the default that no listed backend takes is an error
@@ -136,8 +148,42 @@ def parse_rates(text: str) -> list[str]:
     return rates
 
 
-def scenario_name(rate: float) -> str:
-    return "offline" if math.isinf(rate) else f"rate-{rate:g}"
+def scenario_name(rate: float, budget: str = "") -> str:
+    """``offline`` / ``rate-4``; with ``budget`` (a budget sweep's label): ``offline-2GiB``, ``rate-4-2GiB``."""
+    name = "offline" if math.isinf(rate) else f"rate-{rate:g}"
+    return f"{name}-{budget}" if budget else name
+
+
+def parse_budgets(args) -> list[int | None]:
+    """The KV budgets of ``--memory-gib`` (GiB) or ``--kv-memory`` (sizes), in bytes, in the order given:
+    ``"2,8,32"`` -> ``[2 GiB, 8 GiB, 32 GiB]``; ``[None]`` when neither is set (the engine's default
+    budget).  A single number (not text) is taken as one budget.
+
+    Raises:
+        ValueError: a value that is not a positive number or size, or a budget given twice.
+    """
+    gib, size = getattr(args, "memory_gib", None), getattr(args, "kv_memory", None)
+    if gib is None and size is None:
+        return [None]
+    flag, text = ("--memory-gib", gib) if gib is not None else ("--kv-memory", size)
+    items = [text] if isinstance(text, (int, float)) else [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{flag} needs at least one budget")
+    out = []
+    for item in items:
+        try:
+            n = int(float(item) * (1 << 30)) if flag == "--memory-gib" else int(parse_size(item))
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            raise ValueError(f"{flag}: {item!r} is not a {'number of GiB' if flag == '--memory-gib' else 'size'}") from None
+        if n <= 0:
+            raise ValueError(f"{flag}: a KV budget must be > 0, got {item!r}")
+        if n in out:
+            raise ValueError(f"{flag}: budget {item!r} is given twice")
+        out.append(n)
+    return out
+
+
+_FIRST_BUDGET = object()    # worker_config's default: the command line's (first) budget
 
 
 #: engine_bench flag (argparse dest) -> the backend option it sets
@@ -222,9 +268,10 @@ def check_backends(args, backends: list[str]) -> None:
                              f"{','.join(backends)} lists none of them; add {owners[0]} to --backends or drop {flag}")
 
 
-def _knobs(args, max_model_len: int, design: str) -> dict:
+def _knobs(args, max_model_len: int, design: str, memory_bytes=_FIRST_BUDGET) -> dict:
     """``LLMEngine.from_args`` knobs of one run of ``design`` (``"paged+max"``): the engine limits, its
-    reservation policy, and the backend options that its backend's options class has."""
+    reservation policy, the KV budget (``memory_bytes``; default: the first of :func:`parse_budgets`),
+    and the backend options that its backend's options class has."""
     backend, policy = parse_design(design)
     knobs = {"kv_reservation": policy,"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "seed": args.seed, "enforce_eager": args.enforce_eager,
@@ -232,10 +279,10 @@ def _knobs(args, max_model_len: int, design: str) -> dict:
              "cuda_graph_sizes": args.cuda_graph_sizes, "tensor_parallel_size": args.tensor_parallel_size}
     if args.model in SHAPES:
         knobs["random_weights"] = args.model
-    if args.memory_gib is not None:
-        knobs["memory_bytes"] = int(args.memory_gib * (1 << 30))
-    elif args.kv_memory is not None:
-        knobs["memory_bytes"] = int(args.kv_memory)
+    if memory_bytes is _FIRST_BUDGET:
+        memory_bytes = parse_budgets(args)[0]
+    if memory_bytes is not None:
+        knobs["memory_bytes"] = int(memory_bytes)
     if args.gpu_memory_utilization is not None:
         knobs["gpu_memory_utilization"] = args.gpu_memory_utilization
     knobs.update({k: v for k, v in backend_knobs(args).items() if backend in option_backends(k)})
@@ -250,18 +297,22 @@ def _spec(args, rate: float) -> WorkloadSpec:
                         seed=args.seed)
 
 
-def worker_config(args, backend: str, rate_text: str, spec: WorkloadSpec, max_model_len: int) -> dict:
+def worker_config(args, backend: str, rate_text: str, spec: WorkloadSpec, max_model_len: int,
+                  memory_bytes=_FIRST_BUDGET, budget: str = "") -> dict:
     """The configuration of one (scenario, backend) run of :mod:`vmkv.compare.engine_worker` (JSON):
     model, device, dtype, the engine knobs of ``backend`` (:func:`_knobs`), the workload, warm-up,
     temperature and SLO.  ``vmkv compare serve`` starts ``vmkv serve`` from the same dict.  A trace
-    workload is capped at ``max_model_len`` here (its rows' prompt + output)."""
+    workload is capped at ``max_model_len`` here (its rows' prompt + output).  ``memory_bytes``: the KV
+    budget of the run (default: the command line's first); ``budget``: its label in the scenario's name
+    (a budget sweep)."""
     if spec.is_trace and spec.max_model_len != max_model_len:
         spec = replace(spec, max_model_len=max_model_len)
     kv_backend, policy = parse_design(backend)     # backend: a design label (designs())
     return {"backend": backend, "kv_backend": kv_backend, "kv_reservation": policy,
-            "scenario": scenario_name(spec.request_rate), "rate_spec": rate_text,
+            "scenario": scenario_name(spec.request_rate, budget), "rate_spec": rate_text,
             "model": None if args.model in SHAPES else args.model, "device": args.device,
-            "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend), "workload": spec.to_dict(),
+            "dtype": args.dtype, "knobs": _knobs(args, max_model_len, backend, memory_bytes),
+            "workload": spec.to_dict(),
             "warmup_requests": args.warmup_requests, "temperature": args.temperature,
             "warmup_fill_budget": args.warmup_fill_budget,
             "slo": args.slo, "torch_threads": args.torch_threads}
@@ -299,8 +350,9 @@ def _reference_rate(path: str | None, runs: list[dict], backend: str) -> float |
     pool = runs
     if path:
         pool = json.loads(Path(path).read_text())["runs"]
-    for r in pool:
-        if r.get("scenario") == "offline" and r.get("backend") == backend and "serving" in r:
+    for r in pool:     # the offline run (named offline-<budget> in a budget sweep)
+        if ((r.get("scenario") == "offline" or r.get("rate_spec") == "inf") and r.get("backend") == backend
+                and "serving" in r):
             return r["serving"]["request_throughput"]
     return None
 
@@ -309,13 +361,15 @@ def _reference_rate(path: str | None, runs: list[dict], backend: str) -> float |
 class Plan:
     """What a comparison runs, resolved from the command line (:func:`plan`): the backends in order,
     the rates (offline first: relative rates need its throughput), the workload at t=0 and the
-    ``max_model_len`` every run gets; ``note``: what a trace workload replays (rows, clipped rows), or ""."""
+    ``max_model_len`` every run gets; ``note``: what a trace workload replays (rows, clipped rows), or "";
+    ``budgets``: the KV budgets in bytes (:func:`parse_budgets`; ``[None]``: the engine's default)."""
 
     backends: list[str]
     rates: list[str]
     base_spec: WorkloadSpec
     max_model_len: int
     note: str = ""
+    budgets: tuple = (None,)
 
 
 def plan(args) -> Plan:
@@ -327,6 +381,7 @@ def plan(args) -> Plan:
     """
     backends = designs(args.backends, getattr(args, "kv_reservations", "none"))
     rates = parse_rates(args.request_rate)
+    budgets = parse_budgets(args)
     base_spec = _spec(args, math.inf)
     for text in (args.input_len, args.output_len):
         LengthDist.parse(text)
@@ -335,7 +390,7 @@ def plan(args) -> Plan:
     max_model_len = args.max_model_len or _default_max_model_len(base_spec, args.model)
     if base_spec.is_trace:
         base_spec = replace(base_spec, max_model_len=max_model_len)
-    return Plan(backends, rates, base_spec, max_model_len, trace_note(base_spec))
+    return Plan(backends, rates, base_spec, max_model_len, trace_note(base_spec), tuple(budgets))
 
 
 def resolve_rate(rate_text: str, args, runs: list[dict], backend: str) -> float:
@@ -376,28 +431,40 @@ def run(args) -> int:
     out_dir = report.results_dir(args.out, "engine")
     env = report.environment(seed=args.seed)
     runs: list[dict] = []
+    labels = [budget_label(b) for b in p.budgets]
+    several = len(p.budgets) > 1
     with report.progress(console) as prog:
-        for rate_text in p.rates:
-            try:
-                rate = resolve_rate(rate_text, args, runs, backends[0])
-            except ValueError as exc:
-                console.print(f"[red]error:[/red] {exc}")
-                return 2
-            spec = _spec(args, rate)
-            for backend in backends:
-                cfg = worker_config(args, backend, rate_text, spec, max_model_len)
-                task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)
-                res = _run_worker(cfg, out_dir, prog, task, args.timeout_s, args.torch_threads)
-                res["rate_spec"] = rate_text
-                if "error" in res:      # the sweep counts a failed (e.g. timed-out) rate as not sustained
-                    res["request_rate"] = rate
-                runs.append(res)
-                if "error" in res:
-                    console.print(f"[red]{cfg['scenario']}-{backend} failed:[/red] {res['error']}")
+        for budget, label in zip(p.budgets, labels):     # every design at every budget and rate
+            at_budget: list[dict] = []
+            for rate_text in p.rates:
+                try:   # a relative rate scales the first design's offline run at this budget
+                    rate = resolve_rate(rate_text, args, at_budget, backends[0])
+                except ValueError as exc:
+                    console.print(f"[red]error:[/red] {exc}")
+                    return 2
+                spec = _spec(args, rate)
+                for backend in backends:
+                    cfg = worker_config(args, backend, rate_text, spec, max_model_len, budget,
+                                        label if several else "")
+                    task = prog.add_task(f"{cfg['scenario']}-{backend} (loading)", total=spec.num_requests)
+                    res = _run_worker(cfg, out_dir, prog, task, args.timeout_s, args.torch_threads)
+                    res.update(rate_spec=rate_text, kv_budget_bytes=budget, budget=label)
+                    if "error" in res:      # the sweep counts a failed (e.g. timed-out) rate as not sustained
+                        res["request_rate"] = rate
+                    runs.append(res)
+                    at_budget.append(res)
+                    if "error" in res:
+                        console.print(f"[red]{cfg['scenario']}-{backend} failed:[/red] {res['error']}")
     summary_runs = [{k: v for k, v in r.items() if k != "raw"} for r in runs]
+    sweeps = {label: engine_report.sweep([r for r in runs if r["budget"] == label], args.slo, args.reference_design,
+                                         args.slo_attainment) for label in labels}
     results = {"kind": "engine", "environment": env, "args": vars(args), "max_model_len": max_model_len,
-               "workload": base_spec.to_dict(), "runs": summary_runs,
-               "sweep": engine_report.sweep(runs, args.slo, args.reference_design, args.slo_attainment)}
+               "workload": base_spec.to_dict(),
+               "budgets": [{"budget": label, "kv_budget_bytes": b} for b, label in zip(p.budgets, labels)],
+               "runs": summary_runs,
+               # one budget: its sweep (as before budgets were swept); several: None, each in "sweeps"
+               "sweep": None if several else sweeps[labels[0]], "sweeps": sweeps,
+               "budget_table": engine_report.budget_table(runs, sweeps, args.reference_design)}
     report.write_json(out_dir / "results.json", results)
     engine_report.render(results, runs, out_dir, console)
     return 1 if any("error" in r for r in runs) else 0

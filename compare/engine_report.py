@@ -8,13 +8,15 @@ from pathlib import Path
 from vmkv.compare import report
 from vmkv.compare.metrics import (NORM_LATENCY_BOUND_FACTOR, SLO, SLO_ATTAINMENT_MIN, WARMUP_FRACTION, RequestRecord,
                                   inter_token_latencies, sustained_rate, sweep_point)
+from vmkv.engine.reservation import design_label, parse_design, reserved_tokens
 
 __all__ = ["render", "vmm_latency", "serving_rows", "memory_rows", "ratio_rows", "memory_series", "records_from_raw",
-           "sweep", "reference_design", "sweep_rows", "sustained_rows", "breakdown_rows"]
+           "sweep", "reference_design", "sweep_rows", "sustained_rows", "breakdown_rows", "budget_label", "budget_of",
+           "budget_table", "budget_rows", "BUDGET_COLUMNS", "NOISE_FRACTION"]
 
-SERVING_COLUMNS = ["scenario", "backend", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+SERVING_COLUMNS = ["scenario", "backend", "budget", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                    "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput"]
-MEMORY_COLUMNS = ["scenario", "backend", "KV alloc peak", "mapped peak", "created peak/final", "waste %",
+MEMORY_COLUMNS = ["scenario", "backend", "budget", "KV alloc peak", "mapped peak", "created peak/final", "waste %",
                   "reserved unused %", "B/used tok",
                   "max seqs", "preempt", "hit %", "alloc %", "alloc ahead %", "prefetch %", "alloc us p99", "map us p50/99",
                   "unmap us p50/99", "device peak"]
@@ -25,6 +27,25 @@ _f = report.fmt_num
 
 def _ok(runs: list[dict]) -> list[dict]:
     return [r for r in runs if "serving" in r]
+
+
+def budget_label(n: int | None) -> str:
+    """A KV budget's label: ``2GiB``, ``1.5GiB``, ``512MiB``, ``4096B``; ``auto`` for None (the engine's
+    default budget)."""
+    if n is None:
+        return "auto"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and (n * 1000) % scale == 0:      # at most 3 decimals, exact
+            return f"{n / scale:g}{unit}"
+    return f"{int(n)}B"
+
+
+def budget_of(run: dict) -> tuple[int | None, str]:
+    """``(bytes, label)`` of a run's KV budget: ``kv_budget_bytes`` / ``budget`` as ``vmkv compare engine``
+    records them, else its worker configuration's ``memory_bytes`` (results written before budgets were
+    swept)."""
+    n = run.get("kv_budget_bytes", ((run.get("config") or {}).get("knobs") or {}).get("memory_bytes"))
+    return n, run.get("budget") or budget_label(n)
 
 
 def vmm_latency(run: dict) -> dict:
@@ -45,7 +66,7 @@ def serving_rows(runs: list[dict]) -> list[list[str]]:
     for r in _ok(runs):
         s = r["serving"]
         rate = r["config"]["workload"]["request_rate"]
-        rows.append([r["scenario"], r["backend"], "inf" if rate == "inf" else _f(float(rate)),
+        rows.append([r["scenario"], r["backend"], budget_of(r)[1], "inf" if rate == "inf" else _f(float(rate)),
                      _f(s["request_throughput"]), _f(s["output_throughput"], 1),
                      _f(s["ttft_ms"]["p50"], 1), _f(s["ttft_ms"]["p99"], 1), _f(s["tpot_ms"]["p50"], 2),
                      _f(s["tpot_ms"]["p99"], 2), _f(s["itl_ms"]["p50"], 2), _f(s["itl_ms"]["p99"], 2),
@@ -66,7 +87,7 @@ def memory_rows(runs: list[dict]) -> list[list[str]]:
     for r in _ok(runs):
         m, a = r["memory"], r["allocation"]
         v = vmm_latency(r)
-        rows.append([r["scenario"], r["backend"], report.fmt_size(m["peak_allocated_bytes"], 1),
+        rows.append([r["scenario"], r["backend"], budget_of(r)[1], report.fmt_size(m["peak_allocated_bytes"], 1),
                      report.fmt_size(m["peak_mapped_bytes"], 1), _created(m), _f(m["waste_pct_mean"]),
                      _f(m["reserved_unused_pct_mean"]) if "reserved_unused_pct_mean" in m else "-",
                      _f(m["bytes_per_used_token_at_peak"], 0), str(m["max_concurrent_seqs"]), str(m["preemptions"]),
@@ -157,11 +178,12 @@ def _plots(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
                                               out_dir / f"latency_cdf_{scenario}.png", f"{title}; {scenario}"))
         paths.append(report.plot_memory_timeline({lb: memory_series(r["raw"]) for lb, r in zip(labels, group)},
                                                  out_dir / f"kv_memory_{scenario}.png", f"{title}; {scenario}"))
-    online = [r for r in _ok(runs) if r["scenario"] != "offline"]
+    online = [r for r in _ok(runs) if math.isfinite(_rate(r))]
     if online:
         points: dict[str, list] = {}
+        several = len({budget_of(r)[1] for r in online}) > 1
         for r in online:
-            points.setdefault(r["backend"], []).append(
+            points.setdefault(r["backend"] + (f" {budget_of(r)[1]}" if several else ""), []).append(
                 (float(r["config"]["workload"]["request_rate"]), r["serving"]["output_throughput"],
                  r["serving"]["ttft_ms"]["p50"]))
         paths.append(report.plot_throughput_vs_rate(points, out_dir / "throughput_vs_rate.png", title))
@@ -317,15 +339,16 @@ def breakdown_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
-def _sweep_plots(runs: list[dict], sw: dict | None, out_dir: Path, title: str) -> list[Path]:
-    """``normalized_latency_vs_rate.png`` (Fig. 12), and per scenario ``batch_size_<scenario>.png``
-    (Fig. 13 over time) and ``kv_breakdown_<scenario>.png`` (Fig. 2 over time, a panel per design)."""
+def _sweep_plots(runs: list[dict], sw: dict | None, out_dir: Path, title: str, suffix: str = "") -> list[Path]:
+    """``normalized_latency_vs_rate<suffix>.png`` (Fig. 12; suffix ``_2GiB`` per budget of a budget sweep),
+    and per scenario ``batch_size_<scenario>.png`` (Fig. 13 over time) and ``kv_breakdown_<scenario>.png``
+    (Fig. 2 over time, a panel per design)."""
     paths = []
     if sw:
         pts = {name: [(p["rate"], p["normalized_latency_s"]) for p in d["points"] if not p.get("error")]
                for name, d in sw["designs"].items()}
         paths.append(report.plot_normalized_latency_vs_rate(
-            pts, out_dir / "normalized_latency_vs_rate.png", f"normalized latency vs rate; {title}",
+            pts, out_dir / f"normalized_latency_vs_rate{suffix}.png", f"normalized latency vs rate; {title}",
             {name: d["sustained_rate"] for name, d in sw["designs"].items()}))
     ok = [r for r in runs if "raw" in r and "serving" in r]
     for scenario in dict.fromkeys(r["scenario"] for r in ok):
@@ -362,26 +385,45 @@ def _describe(results: dict, runs: list[dict]) -> str:
 def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
     """Print the tables, write ``summary.md`` and the plots into ``out_dir``."""
     desc = _describe(results, runs)
-    sw = results.get("sweep")
+    # per KV budget its sweep (results written before budgets were swept: "sweep" alone)
+    sweeps = results.get("sweeps") or ({"": results["sweep"]} if results.get("sweep") else {})
+    several = len(sweeps) > 1
     first = []
-    if sw:
-        first = [(f"Sustained request rate within the SLO ({sw['slo'] or 'no SLO'}; reference "
-                  f"{sw['reference_design']})", SUSTAINED_COLUMNS, sustained_rows(sw)),
-                 (f"Online sweep (first {int(round(100 * sw['warmup_fraction']))}% of requests by arrival dropped; "
-                  "latencies in ms; goodput req/s)", SWEEP_COLUMNS, sweep_rows(sw))]
+    btable = results.get("budget_table") or []
+    show_budgets = bool(btable) and (several or any(e.get("base") for e in btable))
+    if show_budgets:
+        cols, rows = budget_rows(btable)
+        first.append((BUDGET_TITLE, cols, rows))
+    for label, sw in sweeps.items():
+        if not sw:
+            continue
+        at = f"; KV budget {label}" if several else ""
+        first += [(f"Sustained request rate within the SLO ({sw['slo'] or 'no SLO'}; reference "
+                   f"{sw['reference_design']}{at})", SUSTAINED_COLUMNS, sustained_rows(sw)),
+                  (f"Online sweep (first {int(round(100 * sw['warmup_fraction']))}% of requests by arrival dropped; "
+                   f"latencies in ms; goodput req/s{at})", SWEEP_COLUMNS, sweep_rows(sw))]
     tables = first + [("Serving (latencies in ms)", SERVING_COLUMNS, serving_rows(runs)),
               ("KV memory and allocation", MEMORY_COLUMNS, memory_rows(runs)),
               ("KV memory breakdown (shares summed over the steps)", BREAKDOWN_COLUMNS, breakdown_rows(runs)),
               ("Ratios (lower is better for latency, higher for throughput)", RATIO_COLUMNS, ratio_rows(runs))]
     console.print(desc)
     for title, cols, rows in tables:   # split to the console's width: a cut cell ("8.0M/…") says nothing
-        for table in report.fitting_tables(console, title, cols, rows) if rows else []:
+        why = title == BUDGET_TITLE and cols[-1] == "why"     # the budget table's reasons: lines below it
+        for table in report.fitting_tables(console, title, cols[:-1] if why else cols,
+                                           [r[:-1] for r in rows] if why else rows) if rows else []:
             console.print(table)
+        if why:
+            for e in btable:
+                if e.get("why"):
+                    console.print(f"  {e['budget']} {e['design']} / {e['base']}: {e['why']}")
     failed = [r for r in runs if "error" in r]
     plots = []
     try:
         plots = _plots(runs, out_dir, _describe_short(runs))
-        plots += _sweep_plots(runs, sw, out_dir, _describe_short(runs))
+        for label, sw in (sweeps or {"": None}).items():
+            mine = [r for r in runs if budget_of(r)[1] == label] if several else runs
+            plots += _sweep_plots(mine, sw, out_dir, _describe_short(runs) + (f"; KV budget {label}" if several else ""),
+                                  f"_{label}" if several else "")
     except Exception as exc:  # plots are a convenience; never lose the JSON over them
         console.print(f"[yellow]plotting failed: {exc}[/yellow]")
     env = results["environment"]
@@ -403,6 +445,24 @@ def render(results: dict, runs: list[dict], out_dir: Path, console) -> None:
            "peak = device memory in use (CUDA: total - free; CPU: process RSS). Plot `kv_memory_<scenario>.png`: KV "
            "memory over time (created, mapped, in use, idle per backend) next to device memory in use. Raw samples: "
            "`raw/*.json`.", ""]
+    flagged = [e for e in btable if e.get("static_ge_paged")]
+    if show_budgets:
+        md += ["Budget table definitions: KV tokens = the budget's token slots (capacity / KV bytes per token); "
+               "out x ref and sustained x ref = the design's offline output tok/s and sustained rate / the "
+               "reference design's at the same budget; max seqs, max waiting and preempt = the most sequences "
+               "running at once, the most requests queued at a step, and preemptions (the offline run, else "
+               "over the online runs); reserved unused % = allocated KV reserved but not written yet (a static "
+               "reservation's waste), mean over the steps; demand / budget = every request's reservation "
+               "(static) or prompt + output (no reservation) over the budget's token slots (<= 1: every request "
+               "fits at once and nothing need queue for memory); static/paged = a static design's figure "
+               "(offline tok/s, else sustained rate) / its backend's without a reservation; 'static >= paged' "
+               "flags where the paging's overhead outweighs its waste saving, '(noise)' where the two are "
+               f"within {NOISE_FRACTION:.0%} (one run; BENCHMARKS.md repeats a claim 3 times).", ""]
+        if flagged:
+            md += ["Where static >= paged:", ""] + [
+                f"- {e['budget']}, {e['design']} / {e['base']} = {e['vs_base']:.3f} ({e['metric']}): {e['why']}"
+                for e in flagged] + [""]
+    sw = next((x for x in sweeps.values() if x), None)
     if sw:
         md += ["Sweep definitions: normalized latency = mean over the measured requests of end-to-end latency / "
                "output tokens (the PagedAttention paper's Fig. 12, ms per token here, s per token in the plot and "
@@ -424,3 +484,182 @@ def _describe_short(runs: list[dict]) -> str:
         return ""
     r = ok[0]
     return f"{r['model']['name']} {r['dtype']} on {r['device_name']}"
+
+
+# ---------------------------------------------------------------------------------------- the budget table
+#: BENCHMARKS.md: a single engine run can move 5-10%; a static/paged ratio this close to 1 is flagged as noise
+NOISE_FRACTION = 0.05
+
+
+def _base_design(design: str, names: list[str]) -> str | None:
+    """The design a static design is measured against: its backend without a reservation, with the same
+    variant options if that design ran (``paged+max`` -> ``paged``, ``vmem+max@x=1`` -> ``vmem@x=1``)."""
+    backend, policy = parse_design(design)
+    if policy == "none":
+        return None
+    _, at, variant = design.partition("@")
+    for cand in (design_label(backend, "none") + at + variant, design_label(backend, "none")):
+        if cand in names:
+            return cand
+    return None
+
+
+def _demand(run: dict, policy: str) -> int | None:
+    """KV tokens the run's requests need at once: every request's reservation under ``policy`` (a static
+    design), or prompt + output tokens (no reservation); None without raw requests."""
+    reqs = (run.get("raw") or {}).get("requests")
+    if not reqs:
+        return None
+    mml = run.get("max_model_len") or (run.get("config") or {}).get("knobs", {}).get("max_model_len")
+    total = 0
+    for q in reqs:
+        res = reserved_tokens(policy, q["prompt_len"], q["output_len"], mml) if mml else None
+        total += res if res is not None else q["prompt_len"] + q["output_len"]
+    return total
+
+
+def _design_entry(label: str, design: str, mine: list[dict], sw: dict | None) -> dict:
+    ok = _ok(mine)
+    off = next((r for r in ok if math.isinf(_rate(r))), None)
+    primary = [off] if off else ok
+    with_mem = [r for r in primary if "memory" in r]
+    kv_backend, policy = parse_design(design)
+    first = primary[0] if primary else (mine[0] if mine else {})
+    mem = first.get("memory") or {}
+    bpt = first.get("kv_bytes_per_token")
+    waiting = [max(st, default=0) for st in ((r.get("raw") or {}).get("steps", {}).get("num_waiting") for r in primary)
+               if st is not None]
+    demand = _demand(first, policy) if first else None
+    capacity = int(mem["capacity_bytes"] // bpt) if mem.get("capacity_bytes") and bpt else None
+    d = (sw or {}).get("designs", {}).get(design) or {}
+    return {
+        "budget": label, "kv_budget_bytes": budget_of(mine[0])[0] if mine else None, "design": design,
+        "kv_backend": kv_backend, "kv_reservation": policy, "capacity_tokens": capacity,
+        "offline_output_throughput": off["serving"].get("output_throughput") if off else None,
+        "offline_request_throughput": off["serving"].get("request_throughput") if off else None,
+        "sustained_rate": d.get("sustained_rate"), "sustained_is_lower_bound": d.get("sustained_is_lower_bound"),
+        "sustained_vs_reference": d.get("sustained_vs_reference"),
+        "max_concurrent_seqs": max((r["memory"]["max_concurrent_seqs"] for r in with_mem), default=None),
+        "max_waiting": max(waiting) if waiting else None,
+        "preemptions": sum(r["memory"]["preemptions"] for r in with_mem) if with_mem else None,
+        "reserved_unused_pct_mean": (max(r["memory"].get("reserved_unused_pct_mean", 0.0) for r in with_mem)
+                                     if with_mem else None),
+        # every request's reservation (static) or its prompt + output (paged) over the budget's KV tokens
+        "demand_tokens": demand, "demand_vs_capacity": demand / capacity if demand and capacity else None,
+        "failed": [r.get("scenario") for r in mine if "error" in r],
+    }
+
+
+def _why(s: dict, b: dict, metric: str, ratio: float, noise: float) -> str:
+    """Why a static design ``s`` ran as fast as (or slower than) its paged base ``b``, from measured fields."""
+    ms, mb = s["max_concurrent_seqs"], b["max_concurrent_seqs"]
+    if ratio >= 1:
+        if b["preemptions"]:
+            why = f"{b['design']} preempted {b['preemptions']} times (recomputing them), {s['design']} never preempts"
+        elif ms is not None and mb is not None and ms >= mb:
+            why = (f"the budget holds the reservations: {s['design']} ran {ms} sequences at once, as many as "
+                   f"{b['design']} ({mb}), and nothing was preempted, so paging's memory saving buys no larger "
+                   f"batch and its overhead decides")
+        else:
+            why = (f"{s['design']} ran fewer sequences at once ({ms} vs {mb}) at no loss in {metric}: the larger "
+                   f"batch did not pay")
+    elif ms is not None and mb is not None and ms >= mb:
+        why = (f"{s['design']} ran as many sequences at once as {b['design']} ({ms}): memory did not decide, "
+               f"the gap is the step's own cost")
+    else:
+        why = f"{s['design']}'s reservations held it to {ms} sequences at once vs {b['design']}'s {mb}"
+        if s.get("max_waiting"):
+            why += f", up to {s['max_waiting']} requests waiting (vs {b.get('max_waiting')})"
+        if s.get("reserved_unused_pct_mean"):
+            why += f"; {s['reserved_unused_pct_mean']:.0f}% of its allocated KV reserved and unwritten on average"
+    if s.get("demand_vs_capacity") is not None:
+        fit = s["demand_vs_capacity"]
+        why += (f" (every request's reservation, {s['demand_tokens']:,} tokens, "
+                + (f"fits the {s['capacity_tokens']:,}-token budget)" if fit <= 1 else
+                   f"is {fit:.1f}x the {s['capacity_tokens']:,}-token budget)"))
+    if abs(ratio - 1) < noise:
+        why += f"; |ratio - 1| < {noise:.0%}: within one run's noise"
+    return why
+
+
+def budget_table(runs: list[dict], sweeps: dict[str, dict | None] | None = None, reference: str | None = None,
+                 noise: float = NOISE_FRACTION) -> list[dict]:
+    """``results["budget_table"]``: one row per (KV budget, design), budgets and designs in run order.
+
+    Each row: ``budget`` / ``kv_budget_bytes``, ``design``, ``capacity_tokens`` (the budget's KV token
+    slots), the offline ``offline_output_throughput`` (tok/s) and ``offline_vs_reference``, the sweep's
+    ``sustained_rate`` and ``sustained_vs_reference`` (``sweeps[budget]``, :func:`sweep`), what decided them
+    (of the offline run, else over the online runs): ``max_concurrent_seqs``, ``max_waiting`` (requests
+    queued at a step), ``preemptions``, ``reserved_unused_pct_mean``, ``demand_tokens`` (every request's
+    reservation, or prompt + output without one) and ``demand_vs_capacity``.  A static design (``+max``,
+    ``+oracle``, ``+pow2``) is compared with its backend without a reservation (``base``): ``metric`` (the
+    offline output tok/s when both ran offline, else the sustained rate), ``vs_base`` (static / base),
+    ``static_ge_paged`` (vs_base >= 1; None when both sustained every swept rate: the ratio is unknown),
+    ``within_noise`` (|vs_base - 1| < ``noise``) and ``why`` (:func:`_why`: the measured reason).  The
+    reference: ``reference`` (``--reference-design``) where it ran at that budget, else the default of
+    :func:`reference_design`."""
+    sweeps = sweeps or {}
+    names_all = list(dict.fromkeys(r["backend"] for r in runs))
+    out = []
+    for label in dict.fromkeys(budget_of(r)[1] for r in runs):
+        at = [r for r in runs if budget_of(r)[1] == label]
+        names = [d for d in names_all if any(r["backend"] == d for r in at)]
+        entries = {d: _design_entry(label, d, [r for r in at if r["backend"] == d], sweeps.get(label)) for d in names}
+        ref = reference if reference in names else reference_design(names)
+        ref_tp = entries[ref]["offline_output_throughput"] if ref else None
+        for d, e in entries.items():
+            e["reference"] = ref
+            e["offline_vs_reference"] = (e["offline_output_throughput"] / ref_tp
+                                         if e["offline_output_throughput"] is not None and ref_tp else None)
+            base = _base_design(d, names)
+            e.update(base=base, metric=None, vs_base=None, static_ge_paged=None, within_noise=None, why="")
+            if base is None:
+                continue
+            b = entries[base]
+            if e["offline_output_throughput"] is not None and b["offline_output_throughput"]:
+                e["metric"], e["vs_base"] = "offline out tok/s", e["offline_output_throughput"] / b["offline_output_throughput"]
+            elif e["sustained_rate"] is not None and b["sustained_rate"]:
+                e["metric"], e["vs_base"] = "sustained req/s", e["sustained_rate"] / b["sustained_rate"]
+                if e["sustained_is_lower_bound"] and b["sustained_is_lower_bound"]:
+                    e["why"] = "both sustain every swept rate: sweep higher to compare them"
+                    continue
+            elif b["sustained_rate"] and e["sustained_rate"] is None and sweeps.get(label):
+                e["metric"], e["vs_base"] = "sustained req/s", 0.0
+            if e["vs_base"] is None:
+                continue
+            e["static_ge_paged"] = e["vs_base"] >= 1.0
+            e["within_noise"] = abs(e["vs_base"] - 1) < noise
+            e["why"] = _why(e, b, e["metric"], e["vs_base"], noise)
+        out += entries.values()
+    return out
+
+
+BUDGET_TITLE = ("Budget table: per KV budget and design, offline output tok/s and sustained rate (x the reference "
+                "design), each static design / its backend without a reservation")
+BUDGET_COLUMNS = ["budget", "design", "KV tokens", "out tok/s", "out x ref", "sustained req/s", "sustained x ref",
+                  "max seqs", "max waiting", "preempt", "reserved unused %", "demand / budget", "static/paged",
+                  "static >= paged", "why"]
+
+
+def budget_rows(table: list[dict] | None) -> tuple[list[str], list[list[str]]]:
+    """``(columns, rows)`` of :func:`budget_table`'s rows, the columns that no row has a value in left out
+    (an offline-only run has no sustained rate)."""
+    if not table:
+        return BUDGET_COLUMNS, []
+    rows = []
+    for e in table:
+        ge = e.get("static_ge_paged")
+        flag = "-" if ge is None else ("yes" if ge else "no") + (" (noise)" if e.get("within_noise") else "")
+        sus = e.get("sustained_rate")
+        rows.append([e["budget"], e["design"] + (" (ref)" if e["design"] == e.get("reference") else ""),
+                     "-" if e["capacity_tokens"] is None else f"{e['capacity_tokens']:,}",
+                     _f(e["offline_output_throughput"], 1), _f(e.get("offline_vs_reference"), 3),
+                     "-" if sus is None else (">= " if e.get("sustained_is_lower_bound") else "") + _f(sus),
+                     _f(e.get("sustained_vs_reference"), 2),
+                     "-" if e["max_concurrent_seqs"] is None else str(e["max_concurrent_seqs"]),
+                     "-" if e["max_waiting"] is None else str(e["max_waiting"]),
+                     "-" if e["preemptions"] is None else str(e["preemptions"]),
+                     _f(e.get("reserved_unused_pct_mean"), 1), _f(e.get("demand_vs_capacity"), 2),
+                     _f(e.get("vs_base"), 3), flag, e.get("why") or "-"])
+    keep = [i for i, c in enumerate(BUDGET_COLUMNS) if i < 2 or any(r[i] != "-" for r in rows)]
+    return [BUDGET_COLUMNS[i] for i in keep], [[r[i] for i in keep] for r in rows]

@@ -296,6 +296,9 @@ def run(args) -> int:
         _check_args(args)
         paths = parse_paths(args.paths)
         plan = engine_bench.plan(args)
+        if len(plan.budgets) > 1:
+            raise ValueError("vmkv compare serve takes one KV budget (--memory-gib/--kv-memory); "
+                             "vmkv compare engine sweeps several")
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2

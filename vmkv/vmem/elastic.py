@@ -134,7 +134,7 @@ class ElasticPolicy:
         self.reserve_pages = self.window.reserve_pages
         self.num_topped_up_pages = 0
         # learning (module docstring): pages released while sequences were live since the load began,
-        # the pool's on-demand creations at the first of those releases, and what is kept on top
+        # the pool's creations at the first of those releases, and what is kept on top
         self._released_live = 0
         self._created_mark: int | None = None
         self.learned_pages = 0

@@ -124,21 +124,13 @@ class AllocatorEntry:
 
 
 # the factories import their adapter module on first use (one file per peer)
-def _vmem(layout: str, preallocate: bool = False, prefetch: bool = False, page_size_bytes: int | None = None,
-          max_span_bytes: int | None = None):
+def _vmem(layout: str, prefetch: bool = False, **options):
+    """An entry's factory: vmem in ``layout`` with ``options`` (``VMemOptions`` fields, passed through)."""
     def make(cfg: BenchConfig) -> AllocatorAdapter:
         from vmkv.compare.alloc_vmem import DEFAULT_CUDA_PREFETCH_TOKENS, VMemAdapter
 
-        return VMemAdapter(cfg, layout, preallocate=preallocate,
-                           prefetch_tokens=DEFAULT_CUDA_PREFETCH_TOKENS if prefetch else 0,
-                           page_size_bytes=page_size_bytes, max_span_bytes=max_span_bytes)
+        return VMemAdapter(cfg, layout, prefetch_tokens=DEFAULT_CUDA_PREFETCH_TOKENS if prefetch else 0, **options)
     return make
-
-
-#: ``max_span_bytes`` of the ``vmem-span`` variants: up to 128 pages of 2 MiB (the CUDA page) per physical
-#: allocation, so a 2048-token llama3-8b prompt (megacache: 256 MiB) costs one cuMemCreate, cuMemMap and
-#: cuMemSetAccess
-SPAN_BYTES = 256 << 20
 
 
 def _vattention(megacache: bool):
@@ -166,12 +158,6 @@ ALLOCATORS: dict[str, AllocatorEntry] = {
     # compound pages, at the cost of a 32 MiB (256-token) unit per slot
     "vmem-32MiB": AllocatorEntry(_vmem("megacache", page_size_bytes=32 << 20)),
     "vmem-32MiB-prefetch": AllocatorEntry(_vmem("megacache", prefetch=True, page_size_bytes=32 << 20)),
-    # vmem's pages (--vmem-page-size, else the driver's: 2 MiB on CUDA), a run of fresh pages of one slot
-    # created and mapped as one span of up to 256 MiB: fewer, larger physical allocations (as kvcached's
-    # compound pages, vmem-32MiB) without a larger unit per slot; per_layer: spans within each K/V tensor
-    "vmem-span": AllocatorEntry(_vmem("megacache", max_span_bytes=SPAN_BYTES)),
-    "vmem-span-prefetch": AllocatorEntry(_vmem("megacache", prefetch=True, max_span_bytes=SPAN_BYTES)),
-    "vmem-span-per_layer": AllocatorEntry(_vmem("per_layer", max_span_bytes=SPAN_BYTES)),
     "vattention": AllocatorEntry(_vattention(megacache=False), "vattention"),
     "vattention-megacache": AllocatorEntry(_vattention(megacache=True), "vattention"),
     "kvcached": AllocatorEntry(_kvcached, "kvcached"),

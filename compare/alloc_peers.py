@@ -17,10 +17,7 @@ crossed (nothing otherwise).  A **page-boundary call** is a grow after which the
 KV bytes in use by sequences rose; its latency per 2 MiB is the call's time / (bytes newly in use / 2 MiB),
 since one call brings 2 MiB (vmem megacache), 32 MiB (``vmem-32MiB``, ``vmem-32MiB-prefetch``: 32 MiB pages),
 4 MiB (vAttention megacache) or 128 MiB (vAttention and vmem per-layer: a page in each of 64 K/V tensors;
-kvcached: its compound page) into use; ``vmem-span``, ``vmem-span-prefetch`` and ``vmem-span-per_layer`` (vmem's
-pages, 2 MiB on CUDA, and ``max_span_bytes`` 256 MiB: a run of up to 128 fresh pages of one slot is created and
-mapped as one allocation) also claim up to an eighth of the sequence ahead when growth needs a span, so one
-call may bring several pages into use.  *admission* is the call
+kvcached: its compound page) into use.  *admission* is the call
 (vAttention: ``alloc_new_batch_idx`` + ``step``) that backs a new 2048-token prompt.  vAttention's step()
 walks every request slot, so calling it once per sequence change (needed to time one sequence's page
 boundary) inflates its *grow total*; the time in page-boundary calls (*map total*) is the trace-level figure

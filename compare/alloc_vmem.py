@@ -1,6 +1,6 @@
 """vmem as an allocator peer (``vmkv.compare.alloc_peers``): the public ``create_kv_cache("vmem", ...)``
-interface, default options but the layout (and ``preallocate`` for ``vmem-prealloc``, the page size for
-``vmem-32MiB``, ``max_span_bytes`` for the ``vmem-span`` variants).
+interface, default options but those an allocator entry sets (the layout; ``preallocate`` for
+``vmem-prealloc``, the page size for ``vmem-32MiB``): any ``VMemOptions`` field, passed through.
 
 Between steps the adapter makes the engine's calls: ``release_idle`` (which also keeps the page reserve
 created ahead of need), and, for ``vmem-prefetch``, first ``prefetch`` of every growing sequence's next
@@ -45,41 +45,50 @@ def _summary_us(us: list[float]) -> dict:
             "p99_us": float(np.percentile(a, 99)) if a.size else None}
 
 
+def _name_note(options: dict, prefetch_tokens: int) -> str:
+    """``", preallocate, prefetch 16, 32.00 MiB pages"``: what an adapter's name says about its options
+    (layout, driver and reserve aside)."""
+    out = ", preallocate" if options.get("preallocate") else ""
+    out += f", prefetch {prefetch_tokens}" if prefetch_tokens else ""
+    out += f", {report.fmt_bytes(options['page_size_bytes'])} pages" if options.get("page_size_bytes") else ""
+    for k, v in options.items():
+        if k not in ("layout", "driver", "preallocate", "page_size_bytes", "kv_reserve_bytes"):
+            out += f", {k}={v}"
+    return out
+
+
 class VMemAdapter(AllocatorAdapter):
-    """vmem through the public interface (``create_kv_cache("vmem", ...)``), default options but the layout.
+    """vmem through the public interface (``create_kv_cache("vmem", ...)``), default options but the layout
+    and ``options``.
 
     Args:
-        page_size_bytes: the vmem page size (default: ``cfg.vmem_page_size_bytes``, else the driver's).
+        layout: the vmem layout.
         prefetch_tokens: > 0: between steps, ``prefetch`` this many positions past every live sequence's
             length before ``release_idle`` (the engine's order), and before every admission
             ``prefetch_admission`` of its prompt length, both timed apart.
-        max_span_bytes: the vmem ``max_span_bytes`` (runs of fresh pages of one slot created and mapped
-            as one allocation of up to this many bytes); ``None``: one allocation per page.
+        **options: further ``VMemOptions`` fields (``preallocate``, ``page_size_bytes``; a field added to
+            the options class is accepted here as it is); ``page_size_bytes`` defaults to
+            ``cfg.vmem_page_size_bytes``, ``kv_reserve_bytes`` to ``cfg.vmem_reserve_bytes``, ``driver``
+            to ``host`` off CUDA.
+    Raises:
+        ValueError: an option the vmem backend does not have, or out of range.
     """
 
-    def __init__(self, cfg: BenchConfig, layout: str, preallocate: bool = False,
-                 prefetch_tokens: int = 0, page_size_bytes: int | None = None,
-                 max_span_bytes: int | None = None) -> None:
+    def __init__(self, cfg: BenchConfig, layout: str, prefetch_tokens: int = 0, **options) -> None:
         from vmkv.kvcache import backend_options_class, create_kv_cache
 
-        page_size_bytes = page_size_bytes or cfg.vmem_page_size_bytes
-        extra = ((", preallocate" if preallocate else "")
-                 + (f", prefetch {prefetch_tokens}" if prefetch_tokens else "")
-                 + (f", {report.fmt_bytes(page_size_bytes)} pages" if page_size_bytes else "")
-                 + (f", {report.fmt_bytes(max_span_bytes)} spans" if max_span_bytes else ""))
-        self.name, self.spec = f"vmem ({layout}{extra})", cfg.spec()
+        self.spec = cfg.spec()
+        options = {"layout": layout, **{k: v for k, v in options.items() if v is not None}}
+        if not self.spec.is_cuda:
+            options.setdefault("driver", "host")
+        if cfg.vmem_page_size_bytes:
+            options.setdefault("page_size_bytes", cfg.vmem_page_size_bytes)
+        if cfg.vmem_reserve_bytes is not None:
+            options.setdefault("kv_reserve_bytes", cfg.vmem_reserve_bytes)
+        opts = backend_options_class("vmem")(**options)
+        self.name = f"vmem ({layout}{_name_note(options, prefetch_tokens)})"
         self.prefetch_tokens, self.prefetch_us = prefetch_tokens, []
         self.admit_prefetch_us: dict[str, list[float]] = {"trace": [], "warm": [], "cold": []}
-        options = {"layout": layout, "preallocate": preallocate}
-        if not self.spec.is_cuda:
-            options["driver"] = "host"
-        if page_size_bytes:
-            options["page_size_bytes"] = page_size_bytes
-        if cfg.vmem_reserve_bytes is not None:
-            options["kv_reserve_bytes"] = cfg.vmem_reserve_bytes
-        if max_span_bytes is not None:
-            options["max_span_bytes"] = max_span_bytes
-        opts = backend_options_class("vmem")(**options)
         self.grace_s = opts.kv_shrink_grace_s
         self.cache = create_kv_cache("vmem", self.spec, max_num_seqs=cfg.max_num_seqs,
                                      max_model_len=cfg.max_model_len, memory_bytes=cfg.kv_memory_bytes,

@@ -32,8 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from vmkv.compare import report
+from vmkv.engine.config import BACKEND_OPTION_FIELDS, CacheConfig
+from vmkv.engine.option_args import add_backend_option_args, backend_option_values, option_argv
+from vmkv.kvcache.registry import option_backends
 
-__all__ = ["add_arguments", "run", "gpu_memory", "parse_metrics"]
+__all__ = ["add_arguments", "run", "gpu_memory", "parse_metrics", "OPTION_DEFAULTS"]
+
+#: backend options whose default here is not serve's: a 256 MiB reserve, a 2 s grace (bursts alternate fast)
+OPTION_DEFAULTS = {"kv_reserve_bytes": 256 << 20, "kv_shrink_grace_s": 2.0}
 
 COLUMNS = ["server", "backend", "KV cap", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "out tok/s",
            "peak device MiB", "final device MiB", "peak KV created"]
@@ -50,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-gib", type=float, default=None,
                    help="memory one server holds besides KV (weights, context, activations); default: "
                         "measured from the first server after start-up")
-    p.add_argument("--kv-reserve", default="256MiB", help="vmem --kv-reserve of each server")
-    p.add_argument("--kv-shrink-grace-s", type=float, default=2.0, help="vmem grace period")
+    # every backend option as serve has it (vmkv.engine.option_args), with this experiment's elastic defaults;
+    # each server gets those of its backend that differ from serve's defaults
+    add_backend_option_args(p.add_argument_group("backend options (vmkv serve's)"), defaults=OPTION_DEFAULTS)
     p.add_argument("--bursts", type=int, default=4)
     p.add_argument("--burst-prompts", type=int, default=96)
     p.add_argument("--input-len", default="1024..2048")
@@ -108,8 +115,11 @@ def _serve_cmd(args, port: int, kv_bytes: int) -> list[str]:
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
            "--max-num-batched-tokens",
            str(args.max_num_batched_tokens), "--log-level", "warning"]
-    if args.backend == "vmem":
-        cmd += ["--kv-reserve", args.kv_reserve, "--kv-shrink-grace-s", str(args.kv_shrink_grace_s)]
+    serve_defaults = CacheConfig()
+    for name, value in backend_option_values(args, [n for n in BACKEND_OPTION_FIELDS
+                                                    if args.backend in option_backends(n)]).items():
+        if value != getattr(serve_defaults, name):
+            cmd += option_argv(name, value)
     return cmd
 
 

@@ -39,10 +39,11 @@ from vmkv.compare.shapes import SHAPES
 from vmkv.compare.worker_proc import run_worker_process
 from vmkv.compare.workloads import WORKLOAD_KINDS, LengthDist, WorkloadSpec, generate, trace_note, trace_rows
 
-from vmkv.engine.args import add_backend_option_args, add_graph_args, add_parallel_args, parse_size
+from vmkv.engine.args import add_graph_args, add_parallel_args, parse_size
 from vmkv.engine.config import DEFAULT_MAX_MODEL_LEN, ENGINE_DTYPES, CacheConfig
+from vmkv.engine.option_args import add_backend_option_args, backend_option_values, option_flag
 from vmkv.engine.reservation import check_reservation, design_label, design_options, parse_design
-from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
+from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends, option_names
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     # backend options (choices, help and defaults from the backends' options classes): each backend
     # gets the ones its options have; a value but the default that no listed backend takes is an error
-    add_backend_option_args(e, "--page-size", "; given to the backends that have the option")
+    add_backend_option_args(e, flags=OPTION_FLAGS, skip=("enable_prefix_caching",),
+                            refused_note="; given to the backends that have the option")
     e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="prefix caching off on every backend (serve's --no-enable-prefix-caching)")
     add_graph_args(e)
@@ -186,19 +188,15 @@ def parse_budgets(args) -> list[int | None]:
 _FIRST_BUDGET = object()    # worker_config's default: the command line's (first) budget
 
 
-#: engine_bench flag (argparse dest) -> the backend option it sets
-_BACKEND_FLAGS = {"block_size": "block_size", "page_size": "page_size_bytes", "layout": "layout",
-                  "driver": "driver", "attention_impl": "attention_impl", "lookahead_tokens": "lookahead_tokens",
-                  "preallocate": "preallocate", "kv_reserve_bytes": "kv_reserve_bytes",
-                  "kv_shrink_grace_s": "kv_shrink_grace_s"}
-#: flags whose name is not their dest with dashes
-_FLAG_NAMES = {"kv_reserve_bytes": "--kv-reserve"}
+#: backend option -> this harness's flag for it where that is not serve's (the other options' flags,
+#: parsers, help and defaults come from their options fields: vmkv.engine.option_args)
+OPTION_FLAGS = {"page_size_bytes": "--page-size"}
 
 
 def backend_knobs(args) -> dict[str, object]:
     """The backend options of the command line, by option name (``--no-prefix-caching`` ->
     ``enable_prefix_caching=False``)."""
-    out = {opt: getattr(args, dest) for dest, opt in _BACKEND_FLAGS.items()}
+    out = backend_option_values(args, [n for n in option_names() if n != "enable_prefix_caching"])
     out["enable_prefix_caching"] = not args.no_prefix_caching
     return out
 
@@ -262,8 +260,7 @@ def check_backends(args, backends: list[str]) -> None:
     for opt, value in backend_knobs(args).items():
         owners = option_backends(opt)
         if value != getattr(defaults, opt) and not set(owners) & set(backends):
-            dest = next(d for d, o in _BACKEND_FLAGS.items() if o == opt)
-            flag = _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
+            flag = option_flag(opt, OPTION_FLAGS)
             raise ValueError(f"{flag} is an option of the {'/'.join(owners)} backend, and --backends "
                              f"{','.join(backends)} lists none of them; add {owners[0]} to --backends or drop {flag}")
 

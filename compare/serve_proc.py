@@ -4,8 +4,9 @@ from ``/proc``, and a SIGTERM stop that checks every process of the tree has exi
 
 The command line is built from the same configuration dict that :mod:`vmkv.compare.engine_worker` gets
 (:func:`vmkv.compare.engine_bench.worker_config`), so the served engine and the in-process one run with
-the same knobs: :func:`serve_argv` maps every knob to ``vmkv serve``'s flag for it (a test parses the
-result with ``serve``'s own parser and compares).
+the same knobs: :func:`serve_argv` maps every knob to ``vmkv serve``'s flag for it, a backend option
+through its options field (:func:`vmkv.engine.option_args.option_argv`); a test parses the result with
+``serve``'s own parser and compares.
 """
 
 from __future__ import annotations
@@ -19,23 +20,21 @@ import threading
 import time
 from pathlib import Path
 
+from vmkv.engine.config import BACKEND_OPTION_FIELDS
+from vmkv.engine.option_args import option_argv
+
 __all__ = ["serve_argv", "free_port", "ServeProcess", "ProcessTreeSampler", "tree_cpu", "window_cpu",
            "ServerStartError"]
 
-#: ``LLMEngine.from_args`` knob -> ``vmkv serve`` flag (values as strings; booleans below)
+#: ``LLMEngine.from_args`` knob -> ``vmkv serve`` flag (values as strings; booleans below); the backend
+#: options' flags are not listed: they come from their options fields (``option_argv``)
 _VALUE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                 "max_model_len": "--max-model-len", "seed": "--seed", "random_weights": "--random-weights",
                 "tensor_parallel_size": "--tensor-parallel-size", "memory_bytes": "--kv-memory",
-                "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size",
-                "page_size_bytes": "--page-size-bytes", "layout": "--layout", "driver": "--driver",
-                "attention_impl": "--attention-impl", "lookahead_tokens": "--lookahead-tokens",
-                "kv_reserve_bytes": "--kv-reserve", "kv_shrink_grace_s": "--kv-shrink-grace-s",
-                "kv_reservation": "--kv-reservation"}
+                "gpu_memory_utilization": "--gpu-memory-utilization", "kv_reservation": "--kv-reservation"}
 #: knob -> (flag when True, flag when False); None: a store_true flag, nothing to pass for False
 _BOOL_FLAGS = {"enforce_eager": ("--enforce-eager", None),
-               "async_scheduling": ("--async-scheduling", "--no-async-scheduling"),
-               "preallocate": ("--preallocate", "--no-preallocate"),
-               "enable_prefix_caching": ("--enable-prefix-caching", "--no-enable-prefix-caching")}
+               "async_scheduling": ("--async-scheduling", "--no-async-scheduling")}
 
 
 def serve_argv(cfg: dict, port: int, host: str = "127.0.0.1", graceful_timeout_s: float = 10.0,
@@ -57,7 +56,9 @@ def serve_argv(cfg: dict, port: int, host: str = "127.0.0.1", graceful_timeout_s
         if cfg.get(key) is not None:
             argv += [flag, str(cfg[key])]
     for knob, value in cfg.get("knobs", {}).items():
-        if knob in _BOOL_FLAGS:
+        if knob in BACKEND_OPTION_FIELDS:
+            argv += option_argv(knob, value)
+        elif knob in _BOOL_FLAGS:
             on, off = _BOOL_FLAGS[knob]
             flag = on if value else off
             if flag:

@@ -26,11 +26,12 @@ import math
 from pathlib import Path
 
 from vmkv.compare import report
-from vmkv.compare.engine_bench import backend_knobs, check_backends
+from vmkv.compare.engine_bench import OPTION_FLAGS, backend_knobs, check_backends
 from vmkv.compare.shapes import SHAPES, get_shape
 from vmkv.compare.step_worker import max_tokens_for
 from vmkv.compare.worker_proc import run_worker_process
-from vmkv.engine.args import add_backend_option_args, add_graph_args, parse_size
+from vmkv.engine.args import add_graph_args, parse_size
+from vmkv.engine.option_args import add_backend_option_args
 from vmkv.engine.config import ENGINE_DTYPES
 from vmkv.kvcache.registry import option_backends
 
@@ -68,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (prefill speed only; decode steps carry B tokens)")
     e.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
                    help="KV budget of every backend (default: the largest point's KV + 20%%)")
-    add_backend_option_args(e, "--page-size", "; given to the backends that have the option")
+    add_backend_option_args(e, flags=OPTION_FLAGS, skip=("enable_prefix_caching",),
+                            refused_note="; given to the backends that have the option")
     e.add_argument("--no-prefix-caching", action="store_true")
     add_graph_args(e)
     o = p.add_argument_group("output")

@@ -21,7 +21,6 @@ import torch
 
 from vmkv.compare import alloc_peers as ap
 from vmkv.compare import alloc_vattention
-from vmkv.compare.alloc_adapters import SPAN_BYTES
 
 CFG = ap.TraceConfig(num_seqs=5, prompt_len=(3, 20), final_len=(30, 90), decode_tokens=2, admit_len=64,
                      admit_reps=3, seed=7)
@@ -350,15 +349,15 @@ def test_installed_peer_on_cpu_is_skipped(fake_peers):
 def test_cli_runs_each_allocator_in_its_own_process(tmp_path):
     """End to end as on the device: workers in subprocesses, JSON and markdown written."""
     out = tmp_path / "out"
-    rc = ap.main(["--out", str(out), "--model", "tiny", "--device", "cpu", "--allocators", "vmem,vattention,vmem-span",
+    rc = ap.main(["--out", str(out), "--model", "tiny", "--device", "cpu", "--allocators", "vmem,vattention,vmem-prealloc",
                   "--num-seqs", "3", "--prompt-len", "4..8", "--final-len", "20..40", "--admit-len", "32",
                   "--admit-reps", "2", "--kv-memory", "2MiB", "--vmem-page-size", "4KiB", "--vmem-reserve", "8KiB",
                   "--idle-s", "0", "--peer-source", "vattention=test"])
     assert rc == 0
     payload = json.loads((out / "alloc_peers.json").read_text())
-    vmem, vattn, span = payload["results"]
+    vmem, vattn, prealloc = payload["results"]
     assert vmem["status"] == "ok" and vmem["worker_rc"] == 0 and vmem["touch_ok"]
-    assert span["status"] == "ok" and span["touch_ok"] and span["info"]["num_spans_created"] > 0
+    assert prealloc["status"] == "ok" and prealloc["touch_ok"] and "preallocate" in prealloc["label"]
     assert vmem["trace_digest"] == payload["trace_digest"]
     assert vattn["status"] == "skipped"
     assert payload["peer_sources"] == {"vattention": "test"}
@@ -422,41 +421,3 @@ def test_vmem_prefetch_warm_note_covers_the_same_admissions_as_the_warm_figure()
     assert cold["num_calls"] == r["admit_cold"]["num"] == CFG.admit_reps
 
 
-@pytest.mark.parametrize("name", ["vmem-span", "vmem-span-prefetch", "vmem-span-per_layer"])
-def test_vmem_span_variants_run_the_trace_on_cpu_and_report_their_spans(name):
-    """The span variants (``max_span_bytes`` 256 MiB over the bench's pages) run the trace on the host
-    driver, read back what was written, make spans, report them with the other counts, and release
-    every page past the reserve when idle as plain ``vmem`` does."""
-    r = ap.run_allocator(name, bench(), CFG)
-    assert r["status"] == "ok" and r["touch_ok"]
-    info = r["info"]
-    assert info["page_size_bytes"] == PAGE and info["max_span_pages"] == SPAN_BYTES // PAGE
-    assert info["num_spans_created"] > 0 and info["num_released_span_pages"] > 0
-    assert 0 <= info["num_span_pages"] <= info["num_pages_created"] and info["num_span_copies"] == 0
-    pages_per_unit = 4 if name.endswith("per_layer") else 1
-    admit_bytes = _pages(CFG.admit_len, 32 if pages_per_unit == 4 else 8) * pages_per_unit * PAGE
-    assert r["samples"]["admit_warm_bytes"] == r["samples"]["admit_cold_bytes"] == [admit_bytes] * CFG.admit_reps
-    assert r["memory"]["after_burst"]["in_use_bytes"] == 0
-    assert r["memory"]["after_idle"]["held_bytes"] <= RESERVE and r["memory"]["after_drop"]["held_bytes"] <= RESERVE
-    if name == "vmem-span-prefetch":
-        assert info["prefetch"]["num_calls"] == len(ap.make_trace(CFG)) and r["grow"]["num_calls_that_mapped"] == 0
-    plain = ap.run_allocator("vmem", bench(), CFG)["info"]
-    assert (plain["max_span_pages"], plain["num_spans_created"], plain["num_span_pages"]) == (1, 0, 0)
-
-
-def test_vmem_span_variant_spans_128_pages_of_2mib():
-    """With 2 MiB pages (the CUDA page; the host driver takes it too) ``vmem-span``'s 256 MiB spans are 128
-    pages, and a prompt of several pages is created as one span (one allocation) that reads back."""
-    a = ap.ALLOCATORS["vmem-span"].make(bench(vmem_page_size_bytes=2 << 20, kv_memory_bytes=64 << 20,
-                                              max_model_len=16384))
-    try:
-        assert SPAN_BYTES == 256 << 20
-        assert a.cache.mapper.max_span_pages == 128 and a.info()["max_span_pages"] == 128
-        assert "256.00 MiB spans" in a.name
-        a.admit(1, 12000)                        # 512 B/token: 3 pages of 2 MiB
-        info = a.info()
-        assert (info["num_spans_created"], info["num_span_pages"], info["num_pages_created"]) == (1, 3, 3)
-        assert a.touch(1, 11999) and a.touch(1, 0)
-        a.free(1)
-    finally:
-        a.close()

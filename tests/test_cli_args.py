@@ -25,7 +25,7 @@ ENGINE_FLAGS = [
     "--memory-bytes", "64MiB", "--block-size", "32", "--page-size-bytes", "128KiB",
     "--layout", "per_layer", "--driver", "host", "--attention-impl", "sdpa", "--lookahead-tokens", "32",
     "--preallocate", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-    "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5", "--max-span-bytes", "16MiB", "--enforce-eager",
+    "--kv-reserve", "1MiB", "--kv-shrink-grace-s", "2.5", "--enforce-eager",
     "--cuda-graph-sizes", "2", "1",
     "--async-scheduling",
     "--tensor-parallel-size", "2",
@@ -37,7 +37,7 @@ EXPECTED_KWARGS = dict(
     gpu_memory_utilization=CacheConfig().gpu_memory_utilization, block_size=32,
     page_size_bytes=128 << 10, layout="per_layer", driver="host", attention_impl="sdpa",
     lookahead_tokens=32, preallocate=True, enable_prefix_caching=False, enable_chunked_prefill=False,
-    kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5, max_span_bytes=16 << 20, enforce_eager=True,
+    kv_reserve_bytes=1 << 20, kv_shrink_grace_s=2.5, enforce_eager=True,
     cuda_graph_sizes=[2, 1],
     async_scheduling=True,
     tensor_parallel_size=2,
@@ -93,7 +93,7 @@ def test_defaults_come_from_the_configs():
         driver=cc.driver, attention_impl=cc.attention_impl, lookahead_tokens=cc.lookahead_tokens,
         preallocate=cc.preallocate, enable_prefix_caching=cc.enable_prefix_caching,
         kv_reserve_bytes=cc.kv_reserve_bytes, kv_shrink_grace_s=cc.kv_shrink_grace_s,
-        max_span_bytes=cc.max_span_bytes, enable_chunked_prefill=sc.enable_chunked_prefill,
+        enable_chunked_prefill=sc.enable_chunked_prefill,
         kv_reservation=sc.kv_reservation)
     assert p.parse_args([]).threads is None           # torch's own thread count is left alone
     # the kwargs build a valid config as they are
@@ -112,7 +112,7 @@ def test_both_clis_take_the_same_engine_flags(module, extra):
     assert cfg.cache.backend_options() == VMemOptions(
         driver="host", layout="per_layer", page_size_bytes=128 << 10, enable_prefix_caching=False,
         attention_impl="sdpa", lookahead_tokens=32, preallocate=True, kv_reserve_bytes=1 << 20,
-        kv_shrink_grace_s=2.5, max_span_bytes=16 << 20)
+        kv_shrink_grace_s=2.5)
 
 
 @pytest.mark.parametrize("module, extra", [("vmkv.server.cli", []), ("vmkv.engine.cli", ["--prompt", "x"])])
@@ -373,30 +373,3 @@ def test_tensor_parallel_size_flag_reaches_the_config():
     assert EngineConfig.from_args(**engine_kwargs(p.parse_args([]))).tensor_parallel_size == 1
     with pytest.raises(SystemExit):
         p.parse_args(["--tensor-parallel-size", "0"])
-
-
-def test_max_span_bytes_flag_reaches_the_vmem_cache_and_paged_ignores_it(capsys):
-    """``--max-span-bytes 256MiB`` with 2 MiB pages: spans of up to 128 pages in the engine's vmem cache
-    (host driver here; the CUDA page is 2 MiB too); off by default; the paged backend ignores it, as it
-    does ``--kv-reserve``; a bad size is refused by the parser."""
-    from vmkv.engine.llm_engine import LLMEngine
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    common = ["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "2",
-              "--max-model-len", "64", "--kv-memory", "8MiB"]
-    vmem = ["--backend", "vmem", "--driver", "host", "--page-size-bytes", "2MiB"]
-    for flags, want in (([*vmem, "--max-span-bytes", "256MiB"], 128), (vmem, 1)):
-        engine = LLMEngine.from_args(**engine_kwargs(p.parse_args([*common, *flags])))
-        try:
-            assert engine.kv_cache.mapper.max_span_pages == want
-            assert engine.kv_cache.backend_stats()["max_span_pages"] == want
-        finally:
-            engine.close()
-    cfg = EngineConfig.from_args(**engine_kwargs(p.parse_args([*common, "--max-span-bytes", "256MiB"])))
-    assert cfg.cache.max_span_bytes == 256 << 20 and cfg.cache.backend_options() == PagedOptions()
-    with pytest.raises(SystemExit):
-        p.parse_args(["--max-span-bytes", "0"])
-    assert "argument --max-span-bytes: size must be at least 1 byte" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="max_span_bytes must be a positive int or None"):
-        CacheConfig(backend="paged", max_span_bytes=0)

@@ -29,14 +29,16 @@ def test_serve_command_passes_the_caps_and_the_elastic_options_only_to_vmem():
     args = p.parse_args(["--backend", "vmem", "--kv-reserve", "128MiB", "--kv-shrink-grace-s", "1.5"])
     cmd = colocate._serve_cmd(args, 18500, 3 << 30)
     assert cmd[cmd.index("--kv-memory") + 1] == str(3 << 30)
-    assert cmd[cmd.index("--kv-reserve") + 1] == "128MiB"
+    assert cmd[cmd.index("--kv-reserve") + 1] == str(128 << 20)
     assert cmd[cmd.index("--kv-shrink-grace-s") + 1] == "1.5"
     assert cmd[cmd.index("--port") + 1] == "18500"
-    assert "--max-span-bytes" not in cmd                # serve's default (no spans) unless asked
-    spans = colocate._serve_cmd(p.parse_args(["--max-span-bytes", "256MiB"]), 18500, 3 << 30)
-    assert spans[spans.index("--max-span-bytes") + 1] == "256MiB"
-    paged = colocate._serve_cmd(p.parse_args(["--backend", "paged", "--max-span-bytes", "256MiB"]), 18500, 1 << 30)
-    assert not {"--kv-reserve", "--kv-shrink-grace-s", "--max-span-bytes"} & set(paged)
+    assert "--page-size-bytes" not in cmd                # serve's default (the driver's page) unless asked
+    big = colocate._serve_cmd(p.parse_args(["--page-size-bytes", "32MiB"]), 18500, 3 << 30)
+    assert big[big.index("--page-size-bytes") + 1] == str(32 << 20)
+    assert big[big.index("--kv-reserve") + 1] == str(256 << 20)      # this experiment's defaults
+    assert big[big.index("--kv-shrink-grace-s") + 1] == "2.0"
+    paged = colocate._serve_cmd(p.parse_args(["--backend", "paged", "--page-size-bytes", "32MiB"]), 18500, 1 << 30)
+    assert not {"--kv-reserve", "--kv-shrink-grace-s", "--page-size-bytes"} & set(paged)
     assert paged[paged.index("--backend") + 1] == "paged"
 
 
@@ -59,13 +61,15 @@ def test_the_serve_command_parses(monkeypatch):
     p = argparse.ArgumentParser()
     colocate.add_arguments(p)
     for backend in ("vmem", "paged"):
-        args = p.parse_args(["--backend", backend, "--max-span-bytes", "256MiB"])
+        args = p.parse_args(["--backend", backend, "--page-size-bytes", "32MiB", "--block-size", "32"])
         cmd = colocate._serve_cmd(args, 18500, 2 << 30)
         parser = argparse.ArgumentParser()
         server_cli.add_arguments(parser)
         ns = parser.parse_args(cmd[cmd.index("serve") + 1:])
         assert ns.backend == backend and ns.memory_bytes == 2 << 30
-        assert ns.max_span_bytes == (256 << 20 if backend == "vmem" else None)
+        assert ns.page_size_bytes == (32 << 20 if backend == "vmem" else None)
+        assert ns.block_size == (32 if backend == "paged" else 16)
+        assert ns.kv_reserve_bytes == (256 << 20 if backend == "vmem" else 64 << 20)
 
 
 def test_compare_engine_names_the_kv_reserve_flag_as_typed():

@@ -200,18 +200,19 @@ def test_lookahead_and_preallocate_reach_the_vmem_run_only(monkeypatch, tmp_path
     assert (opts.lookahead_tokens, opts.preallocate) == (32, True) and isinstance(opts, VMemOptions)
 
 
-def test_max_span_bytes_reaches_the_vmem_run_only(monkeypatch, tmp_path, capsys):
-    """``--max-span-bytes 256MiB`` (serve's size parser) reaches the vmem worker's cache options; the paged run
-    gets no such knob, and a paged-only comparison refuses it, as ``--kv-reserve``."""
+def test_page_size_reaches_the_vmem_run_only(monkeypatch, tmp_path, capsys):
+    """``--page-size 32MiB`` (this harness's name for ``page_size_bytes``; serve's size parser) reaches the vmem
+    worker's cache options; the paged run gets no such knob, and a paged-only comparison refuses it by the
+    harness's flag name, as ``--kv-reserve``."""
     from vmkv.engine.config import EngineConfig
 
-    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--max-span-bytes", "256MiB"])
-    assert rc == 0 and knobs["vmem"]["max_span_bytes"] == 256 << 20 and "max_span_bytes" not in knobs["paged"]
-    assert EngineConfig.from_args(kv_backend="vmem", **knobs["vmem"]).cache.backend_options().max_span_bytes == \
-        256 << 20
-    rc, knobs = _calls_for(monkeypatch, tmp_path / "b", ["--backends", "paged", "--max-span-bytes", "256MiB"])
+    rc, knobs = _calls_for(monkeypatch, tmp_path, ["--page-size", "32MiB"])
+    assert rc == 0 and knobs["vmem"]["page_size_bytes"] == 32 << 20 and "page_size_bytes" not in knobs["paged"]
+    assert EngineConfig.from_args(kv_backend="vmem", **knobs["vmem"]).cache.backend_options().page_size_bytes == \
+        32 << 20
+    rc, knobs = _calls_for(monkeypatch, tmp_path / "b", ["--backends", "paged", "--page-size", "32MiB"])
     assert rc == 2 and knobs == {}
-    assert "--max-span-bytes is an option of the vmem backend" in capsys.readouterr().out
+    assert "--page-size is an option of the vmem backend" in capsys.readouterr().out
 
 
 def test_a_vmem_option_without_a_vmem_run_is_an_error(monkeypatch, tmp_path, capsys):

@@ -85,7 +85,7 @@ def test_serve_gets_the_in_process_engines_knobs():
 
     _, cfgs = _cfgs([*ISSUE22, "--max-num-batched-tokens", "8192", "--block-size", "32", "--layout", "per_layer",
                      "--lookahead-tokens", "16", "--kv-reserve", "1GiB", "--kv-shrink-grace-s", "inf",
-                     "--max-span-bytes", "256MiB", "--no-prefix-caching", "--cuda-graph-sizes", "1", "8",
+                     "--page-size", "32MiB", "--no-prefix-caching", "--cuda-graph-sizes", "1", "8",
                      "--torch-threads", "2", "--device", "cuda:0", "--seed", "7"])
     for cfg in cfgs[:2]:
         argv = serve_argv(cfg, 8123, graceful_timeout_s=3)
@@ -96,7 +96,7 @@ def test_serve_gets_the_in_process_engines_knobs():
         for knob, value in cfg["knobs"].items():
             assert kw[knob] == value, knob
     assert cfgs[0]["knobs"]["block_size"] == 32 and "layout" not in cfgs[0]["knobs"]
-    assert cfgs[1]["knobs"]["kv_shrink_grace_s"] == math.inf and cfgs[1]["knobs"]["max_span_bytes"] == 256 << 20
+    assert cfgs[1]["knobs"]["kv_shrink_grace_s"] == math.inf and cfgs[1]["knobs"]["page_size_bytes"] == 32 << 20
     with pytest.raises(ValueError, match="has no vmkv serve flag"):
         serve_argv({**cfgs[0], "knobs": {"new_knob": 1}}, 1)
 

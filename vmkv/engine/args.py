@@ -10,7 +10,8 @@ Flag names follow vLLM's ``EngineArgs`` where the knob exists there (``--max-num
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--gpu-memory-utilization``, ``--block-size``,
 ``--enable-prefix-caching/--no-enable-prefix-caching``, ``--enable-chunked-prefill/...``, ``--seed``
 as the engine seed).  Defaults are read from the frozen config dataclasses in
-:mod:`vmkv.engine.config`, so the CLI and the Python API cannot drift apart; range checks stay in
+:mod:`vmkv.engine.config`, and the backend options' flags are derived from the backends' options
+classes (:mod:`vmkv.engine.option_args`), so the CLI and the Python API cannot drift apart; range checks stay in
 the dataclasses' ``__post_init__`` (the CLIs report their ``ValueError`` and exit with status 2).
 
 Importing this module imports :mod:`vmkv.engine.config` (and with it the KV-cache registry), so
@@ -20,81 +21,17 @@ Importing this module imports :mod:`vmkv.engine.config` (and with it the KV-cach
 from __future__ import annotations
 
 import argparse
-import re
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from vmkv.engine.config import ENGINE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from vmkv.engine.option_args import (add_backend_option_args, add_option_arg, backend_option_values,
+                                     option_choices, option_help)
 from vmkv.engine.reservation import KV_RESERVATIONS
-from vmkv.kvcache.registry import backend_choices, backend_options_class, option_backends
+from vmkv.kvcache.registry import backend_choices
+from vmkv.kvcache.sizes import parse_size, size_or_zero
 
 __all__ = ["parse_size", "size_or_zero", "add_engine_args", "engine_kwargs", "apply_threads", "option_choices",
-           "option_help"]
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-# bare K/M/G/T and the IEC KiB/MiB/... are powers of 1024; the SI kB/MB/GB/TB are powers of 1000
-_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
-_UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    **{p + s: 1024**n for p, n in _POWERS.items() for s in ("", "i", "ib")},
-    **{p + "b": 1000**n for p, n in _POWERS.items()},
-}
-
-
-def parse_size(text: str | int) -> int:
-    """A byte count from an int or a size string, for ``argparse`` ``type=``.
-
-    ``4096`` and ``"4096"`` -> 4096; ``"512MiB"``, ``"512M"``, ``"512Mi"`` -> 512 * 2**20;
-    ``"1.5G"`` -> 1.5 * 2**30; ``"2GB"`` -> 2 * 10**9 (``B``-suffixed SI units are decimal, bare
-    letters and ``iB`` units binary).  Units are case-insensitive; fractions round down to whole bytes.
-
-    Raises:
-        argparse.ArgumentTypeError: not a size (bool, negative, unknown unit, garbage) or not
-            at least 1 byte; the message gives examples of valid sizes.
-    """
-    examples = "use a positive byte count such as 268435456, 256MiB, 2GiB or 1.5G"
-    if isinstance(text, bool):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}; {examples}")
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE.fullmatch(str(text))
-        unit = m.group(2).lower() if m else ""
-        if m is None or unit not in _UNITS:
-            raise argparse.ArgumentTypeError(f"not a size: {text!r}; {examples}")
-        try:
-            value = int(Decimal(m.group(1)) * _UNITS[unit])
-        except InvalidOperation:  # pragma: no cover - the regex admits only decimal numbers
-            raise argparse.ArgumentTypeError(f"not a size: {text!r}; {examples}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}; {examples}")
-    return value
-
-
-def size_or_zero(text: str | int) -> int:
-    """:func:`parse_size`, and ``0`` (e.g. ``--kv-reserve 0``)."""
-    return 0 if str(text).strip() in ("0", "0B", "0b") else parse_size(text)
-
-
-def option_choices(name: str) -> tuple[str, ...]:
-    """The ``choices`` of the backend option ``name`` (``"layout"``, ``"driver"``,
-    ``"attention_impl"``): the name list of the options class that owns it, read through the registry
-    (a name added to the vmem options module's ``LAYOUTS`` is a ``--layout`` choice at once)."""
-    seen: dict[str, None] = {}
-    for backend in option_backends(name):
-        seen.update(dict.fromkeys(backend_options_class(backend).field_choices(name) or ()))
-    return tuple(seen)
-
-
-def option_help(name: str, extra: str = "") -> str:
-    """``--help`` text of the backend option ``name``: its options class's help line (prefixed with
-    the backends that take it when not all do), ``extra``, and the default unless the line says it."""
-    owners = option_backends(name)
-    text = backend_options_class(owners[0]).field_help(name)
-    if len(owners) < len(backend_choices()) and not text.startswith(owners[0] + ":"):
-        text = f"{'/'.join(owners)}: {text}"
-    return text + extra + ("" if "default:" in text else " (default: %(default)s)")
-
+           "option_help", "add_backend_option_args"]
 
 def positive_int(text: str) -> int:
     """An integer >= 1, for ``argparse`` ``type=``.  Raises argparse.ArgumentTypeError otherwise."""
@@ -117,7 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     --[no-]enable-prefix-caching --[no-]enable-chunked-prefill --kv-reservation``).
 
     Defaults come from :class:`EngineConfig`, :class:`CacheConfig` and :class:`SchedulerConfig`; the
-    backend options' choices and help from the backends' options classes (:func:`option_choices`).
+    backend options' flags (one per field of the backends' options classes: name, parser, choices,
+    help, default) from :mod:`vmkv.engine.option_args`.
     ``--no-prefix-caching`` and ``--no-chunked-prefill`` are accepted as hidden aliases of the
     ``--no-enable-...`` flags.  ``--kv-memory`` and ``--gpu-memory-utilization`` are mutually
     exclusive.  ``--kv-memory`` is the documented name of the one KV budget (``memory_bytes``; vLLM-style
@@ -159,9 +97,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           "memory on CUDA; either capped at what max_num_seqs x max_model_len tokens need)")
     mem.add_argument("--gpu-memory-utilization", type=float, default=cc.gpu_memory_utilization,
                      help="fraction of free GPU memory for KV (default: %(default)s)")
-    add_backend_option_args(g, "--page-size-bytes", "; other backends refuse a value but the default")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=cc.enable_prefix_caching, help=option_help("enable_prefix_caching"))
+    add_backend_option_args(g, skip=("enable_prefix_caching",))
+    add_option_arg(g, "enable_prefix_caching")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -204,28 +141,6 @@ def add_parallel_args(g) -> None:
                         "index..index+N-1 of --device); runs eagerly (default: %(default)s)")
 
 
-def add_backend_option_args(g, page_size_flag: str, attention_note: str) -> None:
-    """The backend-option flags of ``serve``/``generate`` and ``compare engine``, once: choices, help
-    and defaults from the backends' options classes (``page_size_flag``: the flag name of
-    ``page_size_bytes``, dest from it; ``attention_note``: appended to ``--attention-impl``'s help)."""
-    cc = CacheConfig()
-    g.add_argument("--block-size", type=int, default=cc.block_size, help=option_help("block_size"))
-    g.add_argument(page_size_flag, type=parse_size, default=cc.page_size_bytes, metavar="SIZE",
-                   help=option_help("page_size_bytes"))
-    g.add_argument("--layout", choices=option_choices("layout"), default=cc.layout, help=option_help("layout"))
-    g.add_argument("--driver", choices=option_choices("driver"), default=cc.driver, help=option_help("driver"))
-    g.add_argument("--attention-impl", choices=option_choices("attention_impl"), default=cc.attention_impl,
-                   help=option_help("attention_impl", attention_note))
-    g.add_argument("--lookahead-tokens", type=int, default=cc.lookahead_tokens, metavar="N",
-                   help=option_help("lookahead_tokens"))
-    g.add_argument("--preallocate", action=argparse.BooleanOptionalAction, default=cc.preallocate,
-                   help=option_help("preallocate"))
-    g.add_argument("--kv-reserve", dest="kv_reserve_bytes", type=size_or_zero, default=cc.kv_reserve_bytes,
-                   metavar="SIZE", help=option_help("kv_reserve_bytes"))
-    g.add_argument("--kv-shrink-grace-s", type=float, default=cc.kv_shrink_grace_s, metavar="S",
-                   help=option_help("kv_shrink_grace_s"))
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments of ``LLMEngine.from_args`` / ``EngineConfig.from_args`` from options
     added by :func:`add_engine_args` (``--threads`` is not among them; see :func:`apply_threads`)."""
@@ -237,12 +152,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         memory_bytes=args.memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, page_size_bytes=args.page_size_bytes, layout=args.layout,
-        driver=args.driver, attention_impl=args.attention_impl, lookahead_tokens=args.lookahead_tokens,
-        preallocate=args.preallocate, kv_reserve_bytes=args.kv_reserve_bytes,
-        kv_shrink_grace_s=args.kv_shrink_grace_s,
-        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        kv_reservation=args.kv_reservation,
+        enable_chunked_prefill=args.enable_chunked_prefill, kv_reservation=args.kv_reservation,
+        **backend_option_values(args),     # one per backend option (vmkv.engine.option_args)
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from vmkv.engine.reservation import check_reservation
 from vmkv.kvcache.dtypes import AUTO_DTYPE, MODEL_DTYPES, dtype_names
 from vmkv.kvcache.options import BackendOptions
-from vmkv.kvcache.registry import BACKENDS, backend_options_class, option_backends
+from vmkv.kvcache.registry import BACKENDS, backend_options_class, option_backends, option_names, option_owner
 
 __all__ = ["CacheConfig", "SchedulerConfig", "EngineConfig", "DEFAULT_CPU_KV_MEMORY_BYTES",
            "DEFAULT_MAX_MODEL_LEN", "DEFAULT_CUDA_PREFETCH_TOKENS", "ENGINE_DTYPES"]
@@ -41,22 +41,28 @@ def _positive_int(owner: str, name: str, value: Any, allow_none: bool = False) -
 
 
 def _option_default(name: str):
-    """The default of backend option ``name``, read from the first backend whose options have it."""
-    return backend_options_class(option_backends(name)[0]).field_default(name)
+    """The default of backend option ``name``, read from the options class that declares it."""
+    return option_owner(name).field_default(name)
 
 
-#: CacheConfig fields that are backend options (the backends' options classes own their defaults,
-#: ranges and name lists)
-BACKEND_OPTION_FIELDS = ("block_size", "page_size_bytes", "layout", "driver", "enable_prefix_caching",
-                         "attention_impl", "lookahead_tokens", "preallocate", "kv_reserve_bytes",
-                         "kv_shrink_grace_s")
-#: backend options a backend without them refuses when set (running another attention kernel than the
-#: one asked for would mislabel a measurement); the others are ignored by a backend without them, so one
-#: set of knobs can drive both backends
-_REFUSED_ELSEWHERE = ("attention_impl",)
+#: CacheConfig fields that are backend options: one per field of the backends' options classes
+#: (:func:`vmkv.kvcache.registry.option_names`), which own their types, defaults, ranges and name lists
+BACKEND_OPTION_FIELDS = option_names()
+
+
+def _with_backend_options(cls: type) -> type:
+    """Add one field per backend option (its annotation and default from the options class that
+    declares it) to ``cls`` before ``@dataclass`` makes the fields."""
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    for name in BACKEND_OPTION_FIELDS:
+        annotations[name] = option_owner(name).field_type(name)
+        setattr(cls, name, _option_default(name))
+    cls.__annotations__ = annotations
+    return cls
 
 
 @dataclass(frozen=True)
+@_with_backend_options
 class CacheConfig:
     """Which KV backend and how much memory it gets, and the backends' options.
 
@@ -67,31 +73,18 @@ class CacheConfig:
             backend allocates it all up front (a static pool); for vmem it is the cap that growth on
             demand stops at (pages are created when sequences need them and idle ones released).
         gpu_memory_utilization: fraction in (0, 1] of free GPU memory given to the KV cache.
-        block_size: paged backend: tokens per block (power of two, 1..1024).
-        page_size_bytes: vmem backend: bytes per physical page; ``None``: the driver's default
-            (2 MiB on CUDA, 64 KiB on the host driver).
-        layout: vmem backend: ``"megacache"`` or ``"per_layer"`` (``VMemOptions``' ``LAYOUTS``).
-        driver: vmem backend: ``"auto"``, ``"cuda"`` or ``"host"`` (``DRIVERS``).
-        enable_prefix_caching: share full blocks/pages of identical prompt prefixes.
-        attention_impl: vmem backend: attention on slot views, ``"auto"``, ``"triton"``, ``"torch"``
-            or ``"sdpa"`` (``ATTENTION_IMPLS``); a backend without the option refuses a value other
-            than the default.
-        lookahead_tokens: vmem backend: also map (best effort) the pages of this many positions past a
-            sequence's length at every allocate/extend; those pages are claimed by the sequence, unlike
-            the ones ``prefetch_tokens`` maps, which stay reclaimable.
-        preallocate: vmem backend: create the whole page pool up front instead of on demand (and
-            never release it).
-        kv_reserve_bytes: vmem backend: idle KV memory kept when idle pages are released (elastic
-            shrink, ``KVCache.release_idle``).
-        kv_shrink_grace_s: vmem backend: seconds idle memory stays above the reserve before it is
-            released (0: at once; negative or ``inf``: never).
+        <option>: one field per backend option (``block_size``, ``page_size_bytes``, ``layout``, ...),
+            named, typed and defaulted as the field of the backends' options class that declares it
+            (``PagedOptions``, ``VMemOptions``: their docstrings say what each does);
+            :data:`BACKEND_OPTION_FIELDS` lists them.
         prefetch_tokens: after enqueuing a step's forward, ask the cache to back this many
             positions past each sampling sequence's length (``KVCache.prefetch``; the vmem backend
             maps pages while the GPU computes); ``None``: 16 on CUDA, 0 on CPU (exact accounting).
 
     The backend options' defaults, ranges and name lists are the backends' options classes'
     (:func:`vmkv.kvcache.registry.backend_options_class`); :meth:`backend_options` builds the chosen
-    backend's options object.  Options of the other backend are ignored, except ``attention_impl``.
+    backend's options object.  Options of the other backend are ignored, except those declared with
+    ``refused_elsewhere`` (``attention_impl``): a value but the default is refused.
     Raises:
         ValueError: a field is out of range (the message names field, value and range).
     """
@@ -99,17 +92,8 @@ class CacheConfig:
     backend: str = "paged"
     memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.5
-    block_size: int = _option_default("block_size")
-    page_size_bytes: int | None = _option_default("page_size_bytes")
-    layout: str = _option_default("layout")
-    driver: str = _option_default("driver")
-    enable_prefix_caching: bool = _option_default("enable_prefix_caching")
-    attention_impl: str = _option_default("attention_impl")
-    lookahead_tokens: int = _option_default("lookahead_tokens")
-    preallocate: bool = _option_default("preallocate")
-    kv_reserve_bytes: int = _option_default("kv_reserve_bytes")
-    kv_shrink_grace_s: float = _option_default("kv_shrink_grace_s")
     prefetch_tokens: int | None = None
+    # + one field per backend option (_with_backend_options)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -123,7 +107,7 @@ class CacheConfig:
             owners = option_backends(name)
             owner = self.backend if self.backend in owners else owners[0]
             backend_options_class(owner).check_field(name, value, owner="CacheConfig")
-            if (name in _REFUSED_ELSEWHERE and self.backend not in owners
+            if (option_owner(name).field_refused_elsewhere(name) and self.backend not in owners
                     and value != _option_default(name)):
                 raise ValueError(
                     f"CacheConfig.{name}={value!r} is an option of the {' and '.join(owners)} backend, and "

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vmkv.kvcache.options import BackendOptions
 
 __all__ = ["BACKENDS", "backend_choices", "backend_class", "backend_options_class", "option_backends",
-           "create_kv_cache", "vmm_driver"]
+           "option_names", "option_owner", "create_kv_cache", "vmm_driver"]
 
 # backend name -> ("module:CacheClass", "module:OptionsClass"); imported only when asked for
 _BACKENDS = {
@@ -70,6 +70,24 @@ def vmm_driver(kind: str, device, page_size_bytes: int | None = None):
 def option_backends(name: str) -> tuple[str, ...]:
     """The backends whose options have a field ``name``, in registration order (``()`` if none)."""
     return tuple(b for b in BACKENDS if name in backend_options_class(b).field_names())
+
+
+def option_names() -> tuple[str, ...]:
+    """Every backend option once: the union of the options classes' fields, in registration order
+    (the engine config's backend fields and the CLI flags are derived from these)."""
+    seen: dict[str, None] = {}
+    for b in BACKENDS:
+        seen.update(dict.fromkeys(backend_options_class(b).field_names()))
+    return tuple(seen)
+
+
+def option_owner(name: str) -> type[BackendOptions]:
+    """The options class that declares option ``name`` for the CLI and the engine config (the first
+    backend's that has it; its default, help and flag).  ValueError if no backend has it."""
+    owners = option_backends(name)
+    if not owners:
+        raise ValueError(f"no KV backend has an option {name!r}; the options are {list(option_names())}")
+    return backend_options_class(owners[0])
 
 
 def create_kv_cache(backend: str, spec: KVCacheSpec, *, max_num_seqs: int, max_model_len: int,

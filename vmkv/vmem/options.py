@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import math
 from typing import Any, ClassVar
 
-from vmkv.kvcache.options import BackendOptions, Check, boolean, non_negative_int, one_of, option, positive_int
+from vmkv.kvcache.options import BackendOptions, Check, boolean, non_negative_int, one_of, option, size_bytes
 
 __all__ = ["VMemOptions", "LAYOUTS", "DRIVERS", "ATTENTION_IMPLS", "DEFAULT_KV_RESERVE_BYTES",
            "DEFAULT_KV_SHRINK_GRACE_S"]
@@ -38,7 +38,7 @@ DEFAULT_KV_SHRINK_GRACE_S = 10.0
 def _grace_check() -> Check:
     def test(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
-    return Check(test, "a number of seconds (0: at once; negative or inf: never)")
+    return Check(test, "a number of seconds (0: at once; negative or inf: never)", parse=float, metavar="S")
 
 
 def _driver_check() -> Check:
@@ -53,14 +53,15 @@ class VMemOptions(BackendOptions):
     """Options of the vmem KV backend.
 
     Args:
-        driver: page driver name (``DRIVERS``) or a ``VMMDriver`` the caller owns.
-        layout: virtual layout (``LAYOUTS``).
         page_size_bytes: bytes per physical page; ``None``: the driver's default (2 MiB on CUDA, a
             size fitted to the shape on the host driver).
+        layout: virtual layout (``LAYOUTS``).
+        driver: page driver name (``DRIVERS``) or a ``VMMDriver`` the caller owns.
         enable_prefix_caching: share full pages of identical prompt prefixes.
+        attention_impl: attention implementation on slot views (``ATTENTION_IMPLS``); the paged
+            backend refuses a value other than the default.
         lookahead_tokens: back this many positions past a sequence's length ahead of need.
         preallocate: create the whole page pool up front instead of on demand.
-        attention_impl: attention implementation on slot views (``ATTENTION_IMPLS``).
         kv_reserve_bytes: elastic shrink: idle physical KV memory (created pages no live sequence
             claims) kept; the rest goes back to the device/OS once it has been idle for
             ``kv_shrink_grace_s``.  Kept ready off the step's critical path: as plain free pages
@@ -76,20 +77,21 @@ class VMemOptions(BackendOptions):
 
     backend: ClassVar[str] = "vmem"
 
-    driver: Any = option("auto", _driver_check(), "vmem: page driver")
-    layout: str = option("megacache", one_of(LAYOUTS), "vmem: virtual layout")
-    page_size_bytes: int | None = option(None, positive_int(allow_none=True),
+    page_size_bytes: int | None = option(None, size_bytes(allow_none=True),
                                          "vmem: bytes per physical page, e.g. 2MiB "
                                          "(default: the driver's)")
+    layout: str = option("megacache", one_of(LAYOUTS), "vmem: virtual layout")
+    driver: Any = option("auto", _driver_check(), "vmem: page driver")
     enable_prefix_caching: bool = option(True, boolean(), "share KV of identical prompt prefixes")
-    lookahead_tokens: int = option(0, non_negative_int(), "vmem: positions backed ahead of need")
-    preallocate: bool = option(False, boolean(), "vmem: create the page pool up front")
     attention_impl: str = option("auto", one_of(ATTENTION_IMPLS),
                                  "vmem: attention implementation on slot views (sdpa: unmodified "
-                                 "torch scaled_dot_product_attention, vAttention's thesis)")
-    kv_reserve_bytes: int = option(DEFAULT_KV_RESERVE_BYTES, non_negative_int(),
+                                 "torch scaled_dot_product_attention, vAttention's thesis)",
+                                 refused_elsewhere=True)
+    lookahead_tokens: int = option(0, non_negative_int(), "vmem: positions backed ahead of need")
+    preallocate: bool = option(False, boolean(), "vmem: create the page pool up front")
+    kv_reserve_bytes: int = option(DEFAULT_KV_RESERVE_BYTES, size_bytes(allow_zero=True),
                                    "vmem: idle KV memory kept after a shrink, e.g. 64MiB; paged keeps "
-                                   "its whole static pool (default: 64 MiB)")
+                                   "its whole static pool", flag="--kv-reserve")
     kv_shrink_grace_s: float = option(DEFAULT_KV_SHRINK_GRACE_S, _grace_check(),
                                       "vmem: seconds KV memory stays idle above the reserve before it "
                                       "is released to the device (0: at once; -1 or inf: never); "

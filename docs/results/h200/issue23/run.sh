@@ -28,8 +28,8 @@ case ",$PARTS," in *,shrink,*)
     --num-requests 400 --request-rate 24 --input-len sharegpt-in --output-len 64..512 --memory-gib 64 \
     --timeout-s 90 --out $R/shrink24 2>&1 | tee $R/shrink24.log | tail -25 ;; esac
 case ",$PARTS," in *,sweep,*)
-  timeout 420 python3 -m vmkv.cli compare engine --backends paged,vmem,paged+max,paged+oracle $M \
+  timeout 480 python3 -m vmkv.cli compare engine --backends paged,vmem,paged+max,paged+oracle $M \
     --num-requests 40 --input-len lognormal:98,1.0,4,1024 --output-len lognormal:205,1.0,4,1024 \
-    --request-rate 2,4,8 --max-model-len 2048 --memory-gib 1.9 --timeout-s 45 --out $R/sweep-1.9gib \
+    --request-rate 2,6 --max-model-len 2048 --memory-gib 1.9 --timeout-s 45 --out $R/sweep-1.9gib \
     2>&1 | tee $R/sweep.log | tail -40 ;; esac
 cd $OUT && tar czf issue23.tgz r && rm -rf r

@@ -146,6 +146,7 @@ class BackendOptions:
 
     @classmethod
     def field_check(cls, name: str) -> Check:
+        """The field's :class:`Check` (its test, parser, choices)."""
         return cls._field(name).metadata["check"]
 
     @classmethod
@@ -155,6 +156,7 @@ class BackendOptions:
 
     @classmethod
     def field_metavar(cls, name: str) -> str | None:
+        """The value's name in ``--help``: ``option(metavar=...)``, else the check's (``SIZE``, ``N``)."""
         f = cls._field(name)
         return f.metadata.get("metavar") or f.metadata["check"].metavar
 

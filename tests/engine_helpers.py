@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -82,3 +87,67 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0, low: int 
     """Token-id prompts of the given lengths (ids >= ``low`` skip the special tokens)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------- engine fixtures
+# Every engine behaviour runs on both KV backends: ``paged`` and ``vmem`` (host driver, 4 KiB pages, so a
+# megacache page holds 8 tokens of the tiny model: ``bytes_per_token = 2 layers x 2 (K,V) x 2 heads x 16 x
+# 4 bytes = 512``).  The fixtures are imported by name into the modules that use them (module scope there).
+BYTES_PER_TOKEN = 512
+BACKENDS = {
+    "paged": {"kv_backend": "paged"},
+    "vmem": {"kv_backend": "vmem", "driver": "host", "page_size_bytes": 4096},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~30x faster on one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vmkv.model import load_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model, tokenizer = make_tiny_llama(path)
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    return {"path": str(path), "hf": hf_model, "tokenizer": tokenizer, "loaded": loaded}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    return request.param
+
+
+def make_engine(tiny, backend: str, **knobs) -> LLMEngine:
+    opts = dict(BACKENDS[backend])
+    kv_backend = opts.pop("kv_backend")
+    knobs = {"max_model_len": 256, "memory_bytes": 512 * BYTES_PER_TOKEN, **opts, **knobs}
+    cfg = EngineConfig.from_args(tiny["path"], kv_backend, "cpu", "float32", **knobs)
+    return LLMEngine(cfg, loaded=tiny["loaded"])
+
+
+def run_all(engine: LLMEngine, on_step=None) -> dict:
+    """Step until done; returns request_id -> final RequestOutput; checks outputs are append-only."""
+    final, seen = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                prev_text, prev_ids = seen.get((out.request_id, c.index), ("", []))
+                assert c.text.startswith(prev_text), (prev_text, c.text)
+                assert c.token_ids[:len(prev_ids)] == prev_ids
+                seen[(out.request_id, c.index)] = (c.text, list(c.token_ids))
+            if out.finished:
+                final[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+    return final
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)

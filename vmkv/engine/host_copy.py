@@ -6,7 +6,7 @@ it has finished.  Inside a step launch that wait serialises the host with the de
 scheduling (``async_scheduling.py``) it waits for the step running ahead, which undoes the overlap.
 :func:`to_device` builds the tensor in pinned memory and copies it asynchronously instead (PyTorch's
 caching host allocator keeps the pinned block until the copy has run).  Every per-step host-to-device
-tensor of the engine goes through it; ``tests/test_async_scheduling.py`` checks on CUDA that a decode
+tensor of the engine goes through it; ``tests/engine/test_async_scheduling.py`` checks on CUDA that a decode
 step's launch performs no synchronising operation (``torch.cuda.set_sync_debug_mode``).
 """
 

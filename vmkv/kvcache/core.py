@@ -26,7 +26,6 @@ out)``, ``_graph_table_width()``, ``supports_cuda_graphs``,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Hashable, Sequence
 
@@ -79,9 +78,6 @@ class KVCacheCore(KVCache):
         hits = [] if lookup is None else lookup.hits
         room = self._plan_allocate(n, hits)
         room.check()
-        if room.num_hits is not None and room.num_hits < len(hits):     # the backend uses fewer
-            hits = hits[:room.num_hits]
-            lookup = dataclasses.replace(lookup, hits=hits)
         units, row = self._occupy(seq_id, n, hits, room)
         hit_tokens = len(hits) * self.unit_tokens
         chain = None

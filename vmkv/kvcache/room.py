@@ -26,9 +26,6 @@ class Room:
             (``available_tokens`` and ``detail`` may be callables, evaluated only then: plans on
             the per-step path are many, failures few; nothing changes between plan and check).
         payload: whatever the backend's apply hook wants back.
-        num_hits: an allocation's plan may use only its first ``num_hits`` prefix hits (``None``:
-            all); the core then counts, reports and skips only those (the vmem backend: a span that
-            a later hit replaces cannot also serve the earlier ones, its page pool's "Spans").
     """
 
     num_needed: int
@@ -37,7 +34,6 @@ class Room:
     available_tokens: int | Callable[[], int]
     detail: str | Callable[[], str]
     payload: object = None
-    num_hits: int | None = None
 
     def check(self) -> None:
         """Raise :class:`KVCacheFullError` (nothing was changed) when the units do not suffice."""

@@ -145,7 +145,7 @@ def encode_step_outputs(deltas: list[tuple]) -> bytes:
     """The bytes of ``StepOutputs([RequestDelta(*d) for d in deltas])`` (with each completion tuple a
     :class:`CompletionDelta`), encoded from ``LLMEngine.step_deltas()``'s tuples directly: array-like
     structs are msgpack arrays, so the tuples give the same bytes without building ~257 structs per step
-    (4x cheaper for 256 requests).  ``tests/test_server_core_protocol.py`` checks the equality."""
+    (4x cheaper for 256 requests).  ``tests/server/test_server_core_protocol.py`` checks the equality."""
     return encoder.encode(("outputs", deltas))
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)

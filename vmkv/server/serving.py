@@ -80,7 +80,7 @@ _JSON = msgspec.json.Encoder()
 class StreamChunks:
     """The per-token SSE events of one streamed response, encoded with msgspec from a prefix built once:
     byte for byte what ``sse(CompletionStreamResponse(...))`` / ``sse(ChatCompletionChunk(...))`` give
-    (``tests/test_server_stream_chunks.py`` checks it), about 6x cheaper than building the pydantic
+    (``tests/server/test_server_stream_chunks.py`` checks it), about 6x cheaper than building the pydantic
     models for every chunk (the front's work per token at 256 streams).
 
     Args:

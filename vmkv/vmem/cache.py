@@ -131,7 +131,7 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         page = self.layout.page_size_bytes
         return Room(fresh, available, n, self._free_tokens,
                     lambda: f"needs {fresh} more pages of {page} B, {available} obtainable",
-                    (slot, num_units, hits), num_hits=len(hits))
+                    (slot, num_units, hits))
 
     def _occupy(self, seq_id, n: int, hits: list, room: Room):
         slot, num_units, hit_pages = room.payload

@@ -63,11 +63,6 @@ class PageByPageMapper(SlotMapper):
             super().map_batch(slot, [item])
 
 
-@pytest.fixture(params=["megacache", "per_layer"])
-def layout(request):
-    return request.param
-
-
 @pytest.fixture
 def make(layout):
     made = []

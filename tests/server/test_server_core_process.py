@@ -273,7 +273,7 @@ def test_the_front_process_never_imports_torch(tiny_model_dir):
 
     program = (
         "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
         "if __name__ == '__main__':\n"
         "    from pathlib import Path\n"
         "    from server_helpers import engine_knobs_for\n"

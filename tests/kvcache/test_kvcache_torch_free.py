@@ -30,8 +30,9 @@ def _run_torch_free(body: str) -> None:
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None          # any `import torch` raises ImportError
-        sys.path.insert(0, {tests!r})
-    """).format(tests=os.path.dirname(__file__)) + textwrap.dedent(body) + textwrap.dedent("""
+        sys.path[:0] = [{here!r}, {tests!r}]    # this module, and tests/ (checked_driver)
+    """).format(here=os.path.dirname(os.path.abspath(__file__)),
+                tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + textwrap.dedent(body) + textwrap.dedent("""
         assert "torch" not in [k for k, v in sys.modules.items() if v is not None]
         print("ok")
     """)

@@ -20,8 +20,8 @@ import torch
 
 from engine_helpers import hf_greedy
 from sampling_refs import ref_process
-from test_engine import BACKENDS, one_thread, tiny  # noqa: F401 (fixtures)
-from test_engine import make_engine as make_backend_engine
+from engine_helpers import BACKENDS, one_thread, tiny  # noqa: F401 (fixtures)
+from engine_helpers import make_engine as make_backend_engine
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.logits_processing import LogitsProcessing

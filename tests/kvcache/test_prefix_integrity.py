@@ -6,7 +6,7 @@ one place both backends use).  Collisions are injected by replacing ``hashing.ha
 (what ``unit_keys`` calls for every unit) with a constant: every unit of every prompt then lands in
 one bucket, and each backend must still serve every sequence only its own K/V, stay consistent and
 raise nothing.  Each test that injects asserts ``num_collisions``, so the injection cannot silently
-stop reaching the code (the state machine's once did: tests/test_kvcache_statemachine.py).
+stop reaching the code (the state machine's once did: tests/kvcache/test_kvcache_statemachine.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from engine_helpers import hf_greedy, random_prompts
 from kvcache_cases import CASES, SPEC, one_torch_thread
-from test_engine import greedy, make_engine, one_thread, run_all, tiny, BYTES_PER_TOKEN  # noqa: F401
+from engine_helpers import greedy, make_engine, one_thread, run_all, tiny, BYTES_PER_TOKEN  # noqa: F401
 from vmkv.engine.config import SchedulerConfig
 from vmkv.engine.reservation import (KV_RESERVATIONS, design_label, output_estimate, parse_design,
                                      reserved_tokens)

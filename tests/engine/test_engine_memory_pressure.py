@@ -1,7 +1,7 @@
 """Memory held by another process (issue 9): vmem's page creation running out of memory is a
 transient full cache; the engine waits or preempts and every request completes, never "can never fit".
 
-The GPU twin is ``tests/test_vmem_pressure_cuda.py::test_cumemcreate_failure_fails_requests_not_the_engine``
+The GPU twin is ``tests/vmem/test_vmem_pressure_cuda.py::test_cumemcreate_failure_fails_requests_not_the_engine``
 (cuMemCreate failing on the CUDA driver); here the host driver's page creation (``ftruncate`` of the
 memfd) fails with ENOMEM.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import hf_greedy, random_prompts
-from test_engine import greedy, make_engine, one_thread, run_all, tiny  # noqa: F401 (fixtures)
+from engine_helpers import greedy, make_engine, one_thread, run_all, tiny  # noqa: F401 (fixtures)
 from vmkv.kvcache import KVCacheFullError
 from vmkv.vmem.driver import VMMError
 

@@ -16,7 +16,7 @@ import torch
 from vmkv.kvcache.dtypes import AUTO_DTYPE, DTYPE_NAMES, MODEL_DTYPES, canonical_dtype, dtype_names
 from vmkv.kvcache.spec import TORCH_DTYPES, KVCacheSpec, torch_dtype
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENGINE_NAMES = dtype_names(MODEL_DTYPES) + (AUTO_DTYPE,)
 
 

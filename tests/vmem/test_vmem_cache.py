@@ -27,11 +27,6 @@ PPU = {"megacache": 1, "per_layer": 4}
 LAYOUTS = ["megacache", "per_layer"]
 
 
-@pytest.fixture(params=LAYOUTS)
-def layout(request):
-    return request.param
-
-
 @pytest.fixture
 def make(layout):
     caches = []

@@ -35,11 +35,6 @@ def driver():
     d.close()
 
 
-@pytest.fixture(params=["megacache", "per_layer"])
-def layout(request):
-    return request.param
-
-
 @pytest.fixture
 def make(layout):
     caches = []

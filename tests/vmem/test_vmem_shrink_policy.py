@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_engine import make_engine, one_thread, tiny  # noqa: F401 (fixtures)
+from engine_helpers import make_engine, one_thread, tiny  # noqa: F401 (fixtures)
 from test_vmem_elastic import KIB, MIB, PAGE, clock, fill, make_cache, memfd_bytes  # noqa: F401 (clock)
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
 from vmkv.vmem.elastic import SHRINK_BAND, ShrinkWindow
@@ -283,7 +283,7 @@ def test_engine_passes_the_waiting_queue_and_releases_nothing_while_requests_wai
     ``release_idle`` calls pass ``num_waiting > 0`` and release nothing, though the fake clock jumps
     a grace period every step; once the queue is empty the idle steps fall to the reserve."""
     from engine_helpers import hf_greedy, random_prompts
-    from test_engine import greedy, run_all
+    from engine_helpers import greedy, run_all
 
     engine = make_engine(tiny, "vmem", kv_shrink_grace_s=5.0, kv_reserve_bytes=4 * KIB, max_num_seqs=2)
     kv = engine.kv_cache

@@ -9,30 +9,14 @@ import asyncio
 import dataclasses
 
 import pytest
-import torch
 
-from engine_helpers import make_tiny_llama
+from engine_helpers import BACKENDS, BYTES_PER_TOKEN, backend, make_engine, make_tiny_llama, one_thread  # noqa: F401
 from vmkv.engine import llm_engine as llm_engine_module
-from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestFailedError
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, merge_outputs
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.server.async_engine import RequestStream
-
-BYTES_PER_TOKEN = 512
-BACKENDS = {
-    "paged": {"kv_backend": "paged"},
-    "vmem": {"kv_backend": "vmem", "driver": "host", "page_size_bytes": 4096},
-}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +26,6 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_llama(path)
     return {"path": str(path), "loaded": load_model(str(path), device="cpu", dtype="float32")}
-
-
-@pytest.fixture(params=list(BACKENDS))
-def backend(request):
-    return request.param
-
-
-def make_engine(tiny, backend: str, **knobs) -> LLMEngine:
-    opts = dict(BACKENDS[backend])
-    kv_backend = opts.pop("kv_backend")
-    knobs = {"max_model_len": 256, "memory_bytes": 512 * BYTES_PER_TOKEN, **opts, **knobs}
-    return LLMEngine(EngineConfig.from_args(tiny["path"], kv_backend, "cpu", "float32", **knobs),
-                     loaded=tiny["loaded"])
 
 
 def stream_all(engine: LLMEngine) -> tuple[dict, dict]:

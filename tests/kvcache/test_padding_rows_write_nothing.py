@@ -49,7 +49,7 @@ def test_paged_padded_write_kv_does_not_touch_other_sequences():
 def test_vmem_padded_write_kv_does_not_crash(name):
     code = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).resolve().parents[1])!r})
         from kvcache_cases import CASES, rand_kv
         from vmkv.kvcache.base import StepSeq
         c = next(x for x in CASES if x.name == {name!r}).make()

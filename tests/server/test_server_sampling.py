@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from server_helpers import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -27,13 +25,6 @@ from server_helpers import (
 
 GUIDELLM_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 PROMPT = "the capital of France is"
-
-
-@pytest.fixture(scope="module", params=["paged", "vmem"])
-def server(request, tiny_model_dir):
-    srv = RunningServer(tiny_model_dir, request.param)
-    yield srv
-    srv.stop()
 
 
 def _stream(srv: RunningServer, url: str, body: dict) -> list[dict]:

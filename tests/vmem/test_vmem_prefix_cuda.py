@@ -29,11 +29,6 @@ MAX_LEN = 4096
 PPU = {"megacache": 1, "per_layer": 4}
 
 
-@pytest.fixture(params=["megacache", "per_layer"])
-def layout(request):
-    return request.param
-
-
 @pytest.fixture
 def make(layout):
     caches = []

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvcache_cases import SPEC, one_torch_thread
-from test_engine import one_thread, tiny  # noqa: F401 (fixtures)
+from engine_helpers import one_thread, tiny  # noqa: F401 (fixtures)
 from test_vmem_elastic import KIB, MIB, PAGE, assert_filled, assert_filled_prefix, fill, make_cache
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
 from vmkv.vmem import elastic as vmem_elastic
@@ -354,7 +354,7 @@ def test_contents_stay_correct_through_grow_shrink_and_top_up_cycles():
 def test_engine_idle_steps_keep_the_reserve_created(tiny):
     """The engine's between-steps call creates the reserve ahead of the first request, and a request
     that fits in it creates no page on its own path."""
-    from test_engine import greedy, make_engine, run_all
+    from engine_helpers import greedy, make_engine, run_all
 
     engine = make_engine(tiny, "vmem", kv_shrink_grace_s=5.0, kv_reserve_bytes=16 * KIB)
     try:

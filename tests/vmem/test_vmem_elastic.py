@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache_cases import SPEC, one_torch_thread
-from test_engine import make_engine, one_thread, tiny  # noqa: F401 (fixtures)
+from engine_helpers import make_engine, one_thread, tiny  # noqa: F401 (fixtures)
 from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
 from vmkv import StepSeq
 from vmkv.kvcache.registry import create_kv_cache
@@ -346,7 +346,7 @@ def _engine(tiny, **knobs):
 
 def test_engine_burst_then_idle_steps_fall_to_the_reserve(tiny, clock):
     from engine_helpers import hf_greedy, random_prompts
-    from test_engine import greedy, run_all
+    from engine_helpers import greedy, run_all
 
     engine = _engine(tiny)
     kv = engine.kv_cache
@@ -374,7 +374,7 @@ def test_engine_burst_then_idle_steps_fall_to_the_reserve(tiny, clock):
 
 def test_engine_recovers_when_page_creation_fails_for_a_while_after_a_shrink(tiny, clock, monkeypatch):
     from engine_helpers import hf_greedy, random_prompts
-    from test_engine import greedy, run_all
+    from engine_helpers import greedy, run_all
     from vmkv.vmem.driver import VMMError
 
     engine = _engine(tiny, kv_shrink_grace_s=0.0)

@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from engine_helpers import hf_greedy, random_prompts
-from test_engine import BACKENDS, BYTES_PER_TOKEN, backend, greedy, make_engine, one_thread, run_all, tiny  # noqa: F401,E501 (fixtures)
+from engine_helpers import BACKENDS, BYTES_PER_TOKEN, backend, greedy, make_engine, one_thread, run_all, tiny  # noqa: F401,E501 (fixtures)
 from vmkv.engine import detokenizer as detokenizer_mod
 from vmkv.engine.errors import RequestFailedError, is_fatal_error
 from vmkv.engine.sampling_params import SamplingParams

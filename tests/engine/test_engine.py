@@ -10,70 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, make_tiny_llama, random_prompts
-from vmkv.engine.config import EngineConfig
-from vmkv.engine.llm_engine import LLMEngine
+from engine_helpers import (BACKENDS, BYTES_PER_TOKEN, backend, greedy, hf_greedy, make_engine, one_thread,  # noqa: F401
+                            random_prompts, run_all, tiny)  # (fixtures)
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import PromptTooLongError
-
-BYTES_PER_TOKEN = 512
-BACKENDS = {
-    "paged": {"kv_backend": "paged"},
-    "vmem": {"kv_backend": "vmem", "driver": "host", "page_size_bytes": 4096},
-}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~30x faster on one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from vmkv.model import load_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf_model, tokenizer = make_tiny_llama(path)
-    loaded = load_model(str(path), device="cpu", dtype="float32")
-    return {"path": str(path), "hf": hf_model, "tokenizer": tokenizer, "loaded": loaded}
-
-
-@pytest.fixture(params=list(BACKENDS))
-def backend(request):
-    return request.param
-
-
-def make_engine(tiny, backend: str, **knobs) -> LLMEngine:
-    opts = dict(BACKENDS[backend])
-    kv_backend = opts.pop("kv_backend")
-    knobs = {"max_model_len": 256, "memory_bytes": 512 * BYTES_PER_TOKEN, **opts, **knobs}
-    cfg = EngineConfig.from_args(tiny["path"], kv_backend, "cpu", "float32", **knobs)
-    return LLMEngine(cfg, loaded=tiny["loaded"])
-
-
-def run_all(engine: LLMEngine, on_step=None) -> dict:
-    """Step until done; returns request_id -> final RequestOutput; checks outputs are append-only."""
-    final, seen = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for c in out.outputs:
-                prev_text, prev_ids = seen.get((out.request_id, c.index), ("", []))
-                assert c.text.startswith(prev_text), (prev_text, c.text)
-                assert c.token_ids[:len(prev_ids)] == prev_ids
-                seen[(out.request_id, c.index)] = (c.text, list(c.token_ids))
-            if out.finished:
-                final[out.request_id] = out
-        if on_step is not None:
-            on_step(engine)
-    return final
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 # ---------------------------------------------------------------------- greedy == transformers

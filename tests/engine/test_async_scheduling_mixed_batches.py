@@ -1,5 +1,5 @@
-"""Review regressions for async scheduling's mixed steps planned ahead (schedule_ahead /
-Scheduler.schedule_after): each test fails on the code it was written against."""
+"""Async scheduling's mixed steps planned ahead (schedule_ahead / Scheduler.schedule_after): a failing
+allocate, aborts, preemption and finishing sequences inside a step planned ahead of another's decode."""
 
 from __future__ import annotations
 

@@ -33,13 +33,6 @@ _MSG = [{"role": "user", "content": "hello"}]
 INT32_MAX = 2**31 - 1
 
 
-@pytest.fixture(scope="module", params=["paged", "vmem"])
-def server(request, tiny_model_dir):
-    srv = RunningServer(tiny_model_dir, request.param)
-    yield srv
-    srv.stop()
-
-
 def _error(r: httpx.Response, status: int = 400) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -31,12 +31,16 @@ def _ok(runs: list[dict]) -> list[dict]:
 
 def budget_label(n: int | None) -> str:
     """A KV budget's label: ``2GiB``, ``1.5GiB``, ``512MiB``, ``4096B``; ``auto`` for None (the engine's
-    default budget)."""
+    default budget).  A budget given in GiB with decimals (``--memory-gib 1.9``: 2,040,109,465 bytes) is
+    labelled by its 3-decimal value when that is within a byte per MiB of it (``1.9GiB``)."""
     if n is None:
         return "auto"
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale and (n * 1000) % scale == 0:      # at most 3 decimals, exact
             return f"{n / scale:g}{unit}"
+        value = round(n / scale, 3)
+        if n >= scale and abs(value * scale - n) <= scale >> 20:
+            return f"{value:g}{unit}"
     return f"{int(n)}B"
 
 

@@ -99,8 +99,9 @@ def test_parse_budgets_and_labels():
                      (ns(size="lots"), "not a size"), (ns(","), "at least one")):
         with pytest.raises(ValueError, match=why):
             engine_bench.parse_budgets(bad)
-    assert [engine_report.budget_label(n) for n in (2 << 30, 3 << 29, 1 << 29, 4096, 1000, None)] == [
-        "2GiB", "1.5GiB", "512MiB", "4KiB", "1000B", "auto"]
+    assert [engine_report.budget_label(n) for n in (2 << 30, 3 << 29, 1 << 29, 4096, 1000, None,
+                                                    int(1.9 * (1 << 30)))] == [
+        "2GiB", "1.5GiB", "512MiB", "4KiB", "1000B", "auto", "1.9GiB"]
     assert engine_bench.scenario_name(4.0, "2GiB") == "rate-4-2GiB" and engine_bench.scenario_name(4.0) == "rate-4"
 
 

@@ -214,25 +214,34 @@ def designs(backends_text: str, reservations_text: str = "none") -> list[str]:
     out = []
     for entry in (b.strip() for b in str(backends_text).split(",") if b.strip()):
         backend, policy = parse_design(entry)
-        base, at, variant = entry.partition("@")
-        design_options(entry)           # a malformed variant fails here, before anything runs
+        base = entry.partition("@")[0].strip()
+        variant = "".join(f"@{k}={v}" for k, v in design_options(entry).items())
         for pol in ([policy] if "+" in base else policies):
-            out.append(design_label(backend, pol) + at + variant)
+            label = design_label(backend, pol) + variant
+            if label in out:
+                raise ValueError(f"design {label!r} is listed twice (--backends crossed with --kv-reservations)")
+            if backend in backend_choices():
+                variant_knobs(label)    # a bad variant fails here, before anything runs
+            out.append(label)
     return out
 
 
-def _option_value(text: str) -> object:
-    """A design variant's option value (``design_options``) from its text: a boolean, an int, a float
-    (``inf``), a size (``64MiB``) or the text itself."""
-    low = text.lower()
-    if low in ("true", "false"):
+def _option_value(backend: str, name: str, text: str) -> object:
+    """A design variant's option value (``design_options``) from its text, parsed as the option's CLI
+    flag parses it (a size, a number of seconds, a name, ``true``/``false`` for a switch).
+    Raises ValueError: the text does not parse."""
+    check = backend_options_class(backend).field_check(name)
+    if check.is_flag:
+        low = text.lower()
+        if low not in ("true", "false"):
+            raise ValueError(f"{name} takes true or false, got {text!r}")
         return low == "true"
-    for convert in (int, float, parse_size):
-        try:
-            return convert(text)
-        except (TypeError, ValueError):
-            pass
-    return text
+    if check.parse is None:
+        return text
+    try:
+        return check.parse(text)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def variant_knobs(design: str) -> dict[str, object]:
@@ -242,9 +251,13 @@ def variant_knobs(design: str) -> dict[str, object]:
     out = {}
     for name, text in design_options(design).items():
         if backend not in option_backends(name):
-            raise ValueError(f"design {design!r}: {name!r} is not an option of the {backend} backend")
-        value = _option_value(text)
-        backend_options_class(backend).check_field(name, value, owner=f"design {design!r}")
+            raise ValueError(f"design {design!r}: {name!r} is not an option of the {backend} backend; its "
+                             f"options are {list(backend_options_class(backend).field_names())}")
+        try:
+            value = _option_value(backend, name, text)
+            backend_options_class(backend).check_field(name, value, owner=backend)
+        except ValueError as exc:
+            raise ValueError(f"design {design!r}: {exc}") from None
         out[name] = value
     return out
 

@@ -387,17 +387,25 @@ def test_a_design_variant_runs_a_backend_again_with_one_option_changed(monkeypat
     converted by its option's type and checked by the options class; an option the backend lacks, or a
     malformed variant, fails before anything runs."""
     rc, knobs = _calls_for(monkeypatch, tmp_path, ["--backends", "paged,vmem,vmem@kv_shrink_grace_s=inf,"
-                                                   "vmem@kv-reserve-bytes=1MiB"])
-    assert rc == 0 and list(knobs) == ["paged", "vmem", "vmem@kv_shrink_grace_s=inf", "vmem@kv-reserve-bytes=1MiB"]
+                                                   "vmem@kv-reserve-bytes=1MiB,vmem@layout=per_layer"])
+    assert rc == 0 and list(knobs) == ["paged", "vmem", "vmem@kv_shrink_grace_s=inf", "vmem@kv_reserve_bytes=1MiB",
+                                       "vmem@layout=per_layer"]
+    assert knobs["vmem@layout=per_layer"]["layout"] == "per_layer"
     assert knobs["vmem@kv_shrink_grace_s=inf"]["kv_shrink_grace_s"] == math.inf
     assert knobs["vmem"]["kv_shrink_grace_s"] == VMemOptions().kv_shrink_grace_s
-    assert knobs["vmem@kv-reserve-bytes=1MiB"]["kv_reserve_bytes"] == 1 << 20
+    assert knobs["vmem@kv_reserve_bytes=1MiB"]["kv_reserve_bytes"] == 1 << 20
     from vmkv.engine.config import EngineConfig
 
     cfg = EngineConfig.from_args(kv_backend="vmem", **knobs["vmem@kv_shrink_grace_s=inf"])
     assert cfg.cache.backend_options().kv_shrink_grace_s == math.inf
     for bad, why in (("paged@kv_shrink_grace_s=inf", "not an option of the paged backend"),
                      ("vmem@kv_shrink_grace_s", "is not name=value"),
-                     ("vmem@kv_reserve_bytes=-1", "kv_reserve_bytes must be")):
+                     ("vmem@kv_reserve_bytes=-1", "kv_reserve_bytes: not a size"),
+                     ("vmem@kv_shrink_grace_s=abc", "kv_shrink_grace_s: could not convert"),
+                     ("vmem@layout=bogus", "layout must be one of"),
+                     ("vmem,vmem", "listed twice")):
         with pytest.raises(ValueError, match=why):
-            engine_bench.variant_knobs(bad) if "=" in bad else engine_bench.designs(bad)
+            engine_bench.designs(bad)
+    # on the command line: one error line, nothing run
+    rc, knobs = _calls_for(monkeypatch, tmp_path / "bad", ["--backends", "vmem@foo=1"])
+    assert rc == 2 and not knobs

@@ -317,3 +317,21 @@ def test_engine_passes_the_waiting_queue_and_releases_nothing_while_requests_wai
         kv.check_integrity()
     finally:
         engine.close()
+
+
+def test_release_idle_refuses_a_clock_or_queue_length_out_of_range():
+    """``release_idle(now=nan)`` or a negative / fractional ``num_waiting`` is the caller's error, named,
+    and nothing is released."""
+    cache = make_cache(grace_s=0.0, reserve=0)
+    try:
+        fill(cache, 0, 4096, 1.0)
+        cache.free(0)
+        created = cache.pool.num_created
+        for kwargs, why in (({"now": float("nan")}, "now must be a finite"),
+                            ({"now": 1.0, "num_waiting": -1}, "num_waiting"),
+                            ({"now": 1.0, "num_waiting": 1.5}, "num_waiting")):
+            with pytest.raises(ValueError, match=why):
+                cache.release_idle(**kwargs)
+        assert cache.pool.num_created == created
+    finally:
+        cache.close()

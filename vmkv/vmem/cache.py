@@ -321,7 +321,10 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         """
         self._check_open()
         now = time.monotonic() if now is None else float(now)
-        released = self.elastic.release_idle(now, bool(len(self.seqs)), int(num_waiting))
+        if not math.isfinite(now):
+            raise ValueError(f"release_idle: now must be a finite number of seconds, got {now!r}")
+        num_waiting = check_count("num_waiting", num_waiting, 0)
+        released = self.elastic.release_idle(now, bool(len(self.seqs)), num_waiting)
         if released:
             logger.debug("released %d idle pages (%d created)", released, self.pool.num_created)
         return released * self.layout.page_size_bytes

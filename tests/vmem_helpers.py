@@ -9,6 +9,7 @@ wrapped in the checked driver (``tests/checked_driver.py``) (production uses the
 from __future__ import annotations
 
 import importlib
+import math
 import random
 from collections.abc import Callable
 
@@ -163,3 +164,34 @@ def check_launch_pointers(monkeypatch, driver, force_triton: bool = True) -> lis
             return pick(impl, device, dtype, extra, fits, **kwargs)
         monkeypatch.setattr(ops, "_pick", _pick)
     return launches
+
+
+class ShrinkModel:
+    """Brute force of :class:`vmkv.vmem.elastic.ShrinkWindow`: every observation since the queue was last
+    empty kept in a list, the high-water mark a max over it (the shrink-policy and reserve-fuzz tests
+    check the window against it)."""
+
+    def __init__(self, reserve: int, grace: float, band: float) -> None:
+        self.reserve, self.grace, self.band = reserve, grace, band
+        self.obs: list[tuple[float, int]] = []
+        self.since: float | None = None
+
+    def hwm(self, now: float) -> int:
+        return max((v for t, v in self.obs if t >= now - self.grace), default=0)
+
+    def allowed(self, now: float, created: int, claimed: int, waiting: int = 0, extra: int = 0) -> int:
+        """Pages the window may release at ``now`` (``extra``: learned pages kept on top)."""
+        if not 0.0 <= self.grace < math.inf:
+            return 0
+        if waiting:
+            self.obs, self.since = [], None
+            return 0
+        self.obs.append((now, claimed))
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.grace:
+            return 0
+        hwm, keep = self.hwm(now), self.reserve + extra
+        if created <= hwm * (1 + self.band) + keep:
+            return 0
+        return max(0, created - math.ceil(hwm * (1 + self.band / 2)) - keep)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvcache_cases import SPEC, one_torch_thread
-from vmem_helpers import checked_drivers, prompt_values  # noqa: F401 - checked_drivers: autouse
+from vmem_helpers import ShrinkModel, checked_drivers, prompt_values  # noqa: F401 - checked_drivers: autouse
 from vmkv import KVCacheFullError, create_kv_cache
 from vmkv.vmem import elastic as vmem_elastic
 from vmkv.vmem.driver import VMMError
@@ -53,32 +53,6 @@ class _Oom:
         inner._create_page = create
 
 
-class _WindowModel:
-    """Brute force of ShrinkWindow: every observation kept, the high-water mark a max over a list."""
-
-    def __init__(self, reserve: int, grace: float, band: float = vmem_elastic.SHRINK_BAND) -> None:
-        self.reserve, self.grace, self.band = reserve, grace, band
-        self.obs: list[tuple[float, int]] = []        # (time, claimed) since the queue was last empty
-        self.since: float | None = None
-
-    def allowed(self, now: float, created: int, claimed: int, waiting: int = 0, extra: int = 0) -> int:
-        if not 0.0 <= self.grace < math.inf:
-            return 0
-        if waiting:
-            self.obs, self.since = [], None
-            return 0
-        self.obs.append((now, claimed))
-        if self.since is None:
-            self.since = now
-        if now - self.since < self.grace:
-            return 0
-        hwm = max(v for t, v in self.obs if t >= now - self.grace)
-        keep = self.reserve + extra
-        if created <= hwm * (1 + self.band) + keep:
-            return 0
-        return max(0, created - math.ceil(hwm * (1 + self.band / 2)) - keep)
-
-
 def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -90,7 +64,7 @@ def _run(seed: int, layout: str, grace: float, steps: int) -> dict:
                             lookahead_tokens=rng.choice([0, 0, 37]))
     m = cache.mapper
     oom = _Oom(cache)
-    model = _WindowModel(reserve, grace)
+    model = ShrinkModel(reserve, grace, vmem_elastic.SHRINK_BAND)
     prompts = [[rng.randrange(3) for _ in range(MML)] for _ in range(3)]
     shadow: dict[int, list[torch.Tensor]] = {}    # seq -> [K per layer] (V = -K)
     plen: dict[int, int] = {}                     # prompt positions of the seq (never overwritten)

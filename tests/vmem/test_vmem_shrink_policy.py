@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from engine_helpers import make_engine, one_thread, tiny  # noqa: F401 (fixtures)
 from test_vmem_elastic import KIB, MIB, PAGE, clock, fill, make_cache, memfd_bytes  # noqa: F401 (clock)
-from vmem_helpers import checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
+from vmem_helpers import ShrinkModel, checked_drivers  # noqa: F401 - autouse: caches get CheckedDriver
 from vmkv.vmem.elastic import SHRINK_BAND, ShrinkWindow
 
 INF = float("inf")
@@ -109,34 +109,6 @@ def test_bad_arguments_are_refused():
             ShrinkWindow(0, 5.0, band=band)
 
 
-class _Model:
-    """Brute force of ShrinkWindow: every observation since the queue was last empty, in a list."""
-
-    def __init__(self, reserve: int, grace: float, band: float) -> None:
-        self.reserve, self.grace, self.band = reserve, grace, band
-        self.obs: list[tuple[float, int]] = []
-        self.since: float | None = None
-
-    def hwm(self, now: float) -> int:
-        return max((v for t, v in self.obs if t >= now - self.grace), default=0)
-
-    def observe(self, now: float, created: int, claimed: int, waiting: int) -> int:
-        if not 0.0 <= self.grace < math.inf:
-            return 0
-        if waiting:
-            self.obs, self.since = [], None
-            return 0
-        self.obs.append((now, claimed))
-        if self.since is None:
-            self.since = now
-        if now - self.since < self.grace:
-            return 0
-        hwm = self.hwm(now)
-        if created <= hwm * (1 + self.band) + self.reserve:
-            return 0
-        return max(0, created - math.ceil(hwm * (1 + self.band / 2)) - self.reserve)
-
-
 _STEP = st.tuples(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0, 2.5, 3.0, 5.0, 7.0]),   # dt
                   st.integers(0, 200), st.integers(0, 160),                          # created, claimed
                   st.sampled_from([0, 0, 0, 0, 0, 1, 4]))                            # waiting
@@ -146,12 +118,12 @@ _STEP = st.tuples(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0, 2.5, 3.0, 5.0, 7.0])
 @given(reserve=st.integers(0, 8), grace=st.sampled_from([0.0, 0.5, 1.0, 2.5, 5.0, -1.0, INF]),
        band=st.sampled_from([0.0, 0.25, 0.5, 1.0]), steps=st.lists(_STEP, min_size=1, max_size=60))
 def test_shrink_window_matches_a_brute_force_model(reserve, grace, band, steps):
-    w, model = ShrinkWindow(reserve, grace, band), _Model(reserve, grace, band)
+    w, model = ShrinkWindow(reserve, grace, band), ShrinkModel(reserve, grace, band)
     t = 0.0
     for dt, created, claimed, waiting in steps:
         t += dt
         got = w.observe(t, created, claimed, waiting)
-        assert got == model.observe(t, created, claimed, waiting), (t, created, claimed, waiting)
+        assert got == model.allowed(t, created, claimed, waiting), (t, created, claimed, waiting)
         assert 0 <= got <= max(0, created - reserve)
         if w.enabled and not waiting:
             assert w.high_water() == model.hwm(t)

@@ -282,15 +282,13 @@ class VMemKVCache(VMemStatsMixin, KVCacheCore):
         time counted with :meth:`prefetch`."""
         self._check_open()
 
-        def admissions():
-            for i, n in enumerate(num_tokens):
-                hits: list = []
-                ids = None if token_ids is None else token_ids[i]
-                if ids is not None and self.enable_prefix_caching and self.unit_tokens:
-                    extra = None if extra_keys is None else extra_keys[i]
-                    hits = [e.handles for e in self.prefix.lookup(ids, self.unit_tokens, extra).hits]
-                yield n, hits
-        self._between_steps(self.elastic.prefetch_admissions, admissions(), bool(len(self.seqs)))
+        def hits_of(i: int) -> list:       # looked up only for an admission the pool can still back
+            ids = None if token_ids is None else token_ids[i]
+            if ids is None or not (self.enable_prefix_caching and self.unit_tokens):
+                return []
+            extra = None if extra_keys is None else extra_keys[i]
+            return [e.handles for e in self.prefix.lookup(ids, self.unit_tokens, extra).hits]
+        self._between_steps(self.elastic.prefetch_admissions, num_tokens, hits_of, bool(len(self.seqs)))
 
     def _between_steps(self, fn, *args) -> None:
         t0 = time.perf_counter_ns()

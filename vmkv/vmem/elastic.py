@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from vmkv.vmem.placement import pick_slot
 
@@ -198,15 +198,18 @@ class ElasticPolicy:
                 available = m.pool.num_available
         self.top_up(live)
 
-    def prefetch_admissions(self, admissions: Iterable[tuple[int, Sequence]], live: bool) -> None:
-        """Map, unclaimed, the pages of the admissions expected next (``(prompt length, prefix-hit
-        pages per unit)`` in admission order, plus ``lookahead_tokens``) into the free slot
+    def prefetch_admissions(self, num_tokens: Sequence[int], hits_of: Callable[[int], Sequence],
+                            live: bool) -> None:
+        """Map, unclaimed, the pages of the admissions expected next (prompt lengths in admission order,
+        plus ``lookahead_tokens``; ``hits_of(i)``: the prefix-hit pages per unit of the ``i``-th, asked
+        only while the pool has free pages) into the free slot
         :func:`~vmkv.vmem.placement.pick_slot` would give each, then top the reserve up."""
         m = self.mapper
         taken: set[int] = set()
-        for n, hits in admissions:
+        for i, n in enumerate(num_tokens):
             if m.pool.num_plain_available == 0:
                 break
+            hits = hits_of(i)
             units = m.layout.num_units(min(self.max_model_len, int(n) + self.lookahead_tokens))
             slot = pick_slot(m, units, hits, frozenset(taken))
             if slot is None:
